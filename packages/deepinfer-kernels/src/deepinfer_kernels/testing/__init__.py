@@ -1,0 +1,1 @@
+"""Helpers shipped with the kernels for tests and benchmarks of ops (here and in other engines)."""
