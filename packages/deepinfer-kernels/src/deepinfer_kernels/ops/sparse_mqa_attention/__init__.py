@@ -1,0 +1,41 @@
+"""Sparse multi-query attention (one shared K = V head) over gathered entries, with per-head sinks."""
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the reference)
+
+
+def sparse_mqa_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """o[t, h] = sum_k p[t, h, k] * kv[indices[t, k]], with
+    p[t, h, k] = exp(s - m) / (sum_k' exp(s' - m) + exp(sink[h] - m)), s = scale * q[t, h] . kv[indices[t, k]]
+    and m the max over the row's scores and the sink (the sink has no value vector).
+
+    This is DeepSeek V4's attention core: every query attends to its own list of entries of one
+    shared latent (the sliding-window keys and the selected compressed entries), K = V.
+
+    Args:
+        q: [T, H, D] queries (T tokens, H heads, D head dim), any float dtype.
+        kv: [N, D] the entries the indices point into (same dtype family as q).
+        indices: [T, K] int64 rows of ``kv`` per query; -1 marks an unused slot. Order is free.
+        sinks: [H] fp32 per-head sink logits.
+        scale: softmax scale (D^-0.5 for DeepSeek V4).
+
+    Returns:
+        [T, H, D] in q.dtype, computed in fp32. A row whose indices are all -1 gives zeros.
+        See reference.py.
+    """
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        raise ValueError(
+            f"sparse_mqa_attention: want q [T,H,D], kv [N,D], indices [T,K]; got "
+            f"{tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
+        )
+    if q.shape[-1] != kv.shape[-1] or indices.shape[0] != q.shape[0] or sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sparse_mqa_attention: inconsistent shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+            f"indices {tuple(indices.shape)}, sinks {tuple(sinks.shape)}"
+        )
+    return dispatch("sparse_mqa_attention", q.device, q, kv, indices, sinks, scale)

@@ -1,0 +1,1 @@
+"""Checkpoint reading: safetensors shards, validation, dequantisation into model parameters."""

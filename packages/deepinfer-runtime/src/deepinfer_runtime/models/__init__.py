@@ -1,0 +1,1 @@
+"""Model definitions; model names appear only in this package."""

@@ -1,0 +1,333 @@
+"""DeepSeek-V4-Flash (``DeepseekV4ForCausalLM``) assembled from the deepinfer-kernels ops.
+
+Reading order: attention pieces (compressor, indexer, attention) -> MoE -> block -> model.
+Parameter names equal the released checkpoint's tensor names (``layers.3.attn.wq_a.weight``),
+except that routed experts are stacked per layer (``layers.3.ffn.experts.w13`` [E, 2I, d] and
+``.w2`` [E, d, I]); ``deepseek_v4_weights.py`` maps one onto the other.
+
+Numerics follow transformers 5.23.0 (the oracle; see architecture.md section 6) where it is
+explicit, and the DeepSeek reference elsewhere: norms, RoPE, mHC, router, SwiGLU, compressor
+pooling and attention softmax in fp32; the LM head in fp32. No QAT fake-quantisation of the KV
+(transformers has none; the V4 reference's KV FP8 simulation is a later option).
+
+Layout: activations are token-flat ([T, d] with T = batch x new tokens); attention and the
+compressors run per request on that request's ``SequenceCache``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer_kernels import (
+    MhcConfig,
+    MhcParams,
+    grouped_linear,
+    indexer_scores,
+    indexer_topk,
+    kv_compress_pool,
+    mhc_collapse,
+    mhc_head_weights,
+    mhc_same_site_sublayer,
+    moe_experts,
+    moe_route_hash,
+    moe_route_topk,
+    overlap_windows,
+    rms_norm,
+    rope_interleaved,
+    rope_inv_freq,
+    sparse_mqa_attention,
+    swiglu_mlp,
+)
+from torch import nn
+
+from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
+from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param(dim, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=0)
+
+
+class Compressor(nn.Module):
+    """Gated softmax pooling of every ``ratio`` tokens into one entry (CSA: overlapping windows).
+
+    ``head_dim`` is the entry width; ``overlap`` doubles the projection (A/B halves, section A.5).
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, head_dim: int, overlap: bool, dtype: torch.dtype):
+        super().__init__()
+        width = head_dim * (2 if overlap else 1)
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        self.wkv = Linear(cfg.hidden_size, width, dtype)
+        self.wgate = Linear(cfg.hidden_size, width, dtype)
+        self.ape = _param(ratio, width, dtype=torch.float32)
+        self.norm = Norm(head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, state: CompressorState, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed x [S, d] at ``positions`` [S]; return all entries so far [N, head_dim]."""
+        # NOTE: projections in fp32 as the DeepSeek reference does (transformers runs them in the
+        # model dtype; identical in fp32, and fp32 is what the model was trained with).
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())
+        score = F.linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        kv, score = _cat(state.pending_kv, kv), _cat(state.pending_score, score)
+        usable = kv.shape[0] // self.ratio * self.ratio
+        state.pending_kv, state.pending_score = kv[usable:], score[usable:]
+        if usable:
+            first = state.num_entries
+            n_new = usable // self.ratio
+            kv = kv[:usable].view(n_new, self.ratio, -1)
+            score = score[:usable].view(n_new, self.ratio, -1)
+            if self.overlap:
+                grouped_kv, grouped_score = overlap_windows(kv, score, state.prev_kv, state.prev_score)
+                state.prev_kv = kv[-1, :, : self.head_dim]
+                state.prev_score = score[-1, :, : self.head_dim]
+            else:
+                grouped_kv, grouped_score = kv, score
+            pooled = self.norm(kv_compress_pool(grouped_kv, grouped_score).to(x.dtype))
+            entry_pos = (torch.arange(n_new, device=x.device) + first) * self.ratio
+            state.entries = _cat(state.entries, rope_interleaved(pooled, entry_pos, inv_freq))
+        if state.entries is None:
+            state.entries = x.new_zeros(0, self.head_dim)
+        return state.entries
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: picks up to ``index_topk`` compressed entries per query."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ratio = cfg.compress_rates[CSA]
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
+        self.compressor = Compressor(cfg, self.ratio, self.head_dim, overlap=True, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: CompressorState,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [S, d], qr [S, q_lora_rank] -> selected entry ids [S, k] (-1 = none)."""
+        keys = self.compressor(x, positions, state, inv_freq)
+        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), positions, inv_freq)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5)
+        visible = ((positions + 1) // self.ratio)[None]
+        return indexer_topk(scores, visible, self.topk)[0]
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA over a sliding window plus compressed entries, with sinks (section A.4)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.kind = cfg.layer_types[layer]
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, dtype)
+        self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype)
+        self.attn_sink = _param(self.n_heads, dtype=torch.float32)
+        if self.kind != SLIDING:
+            ratio = cfg.compress_rates[self.kind]
+            self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=self.kind == CSA, dtype=dtype)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg, dtype)
+        base = cfg.rope_theta if self.kind == SLIDING else cfg.compress_rope_theta
+        yarn = None if self.kind == SLIDING else cfg.yarn
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, base, yarn), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: list[torch.Tensor], caches: list[LayerCache]) -> torch.Tensor:
+        """x [T, d] (normed), positions: per request [S_b] (sum S_b = T) -> [T, d]."""
+        pos = torch.cat(positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rope_interleaved(rms_norm(q, None, self.cfg.rms_norm_eps), pos, self.inv_freq)
+        kv = rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        outs, start = [], 0
+        for p, cache in zip(positions, caches):
+            rows = slice(start, start + p.shape[0])
+            start += p.shape[0]
+            outs.append(self._attend_one(x[rows], qr[rows], q[rows], kv[rows], p, cache))
+        o = rope_interleaved(torch.cat(outs), pos, self.inv_freq, inverse=True)
+        o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
+        return self.wo_b(o.flatten(1))
+
+    def _attend_one(self, x, qr, q, kv, positions, cache: LayerCache) -> torch.Tensor:
+        win = self.cfg.sliding_window
+        rows = _cat(cache.window, kv)  # latents of positions base .. last
+        base = int(positions[0]) - (rows.shape[0] - kv.shape[0])
+        cache.window = rows[-(win - 1):] if win > 1 else rows[:0]
+        # window: positions t-win+1 .. t, as rows of `rows`
+        key_pos = positions[:, None] - win + 1 + torch.arange(win, device=x.device)
+        idx = torch.where(key_pos >= 0, key_pos - base, -1)
+        kv_all = rows
+        if self.kind != SLIDING:
+            entries = self.compressor(x, positions, cache.compressor, self.inv_freq)
+            if self.kind == CSA:
+                picked = self.indexer(x, qr, positions, cache.indexer, self.inv_freq)
+            else:  # HCA: every complete window is visible
+                ids = torch.arange(entries.shape[0], device=x.device)
+                visible = (positions + 1) // self.compressor.ratio
+                picked = torch.where(ids[None] < visible[:, None], ids[None], -1)
+            idx = torch.cat([idx, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
+            kv_all = torch.cat([rows, entries.to(rows.dtype)])
+        return sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.is_hash = cfg, cfg.is_hash_layer(layer)
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        kw = dict(route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func,
+                  norm_topk=self.cfg.norm_topk_prob)
+        if self.is_hash:
+            return moe_route_hash(logits, self.tid2eid, input_ids, **kw)
+        return moe_route_topk(logits, self.bias, self.cfg.num_experts_per_tok, **kw)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
+        super().__init__()
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.w13 = _param(e, 2 * i, d, dtype=dtype)
+        self.w2 = _param(e, d, i, dtype=dtype)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
+        super().__init__()
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1, self.w3, self.w2 = Linear(d, i, dtype), Linear(d, i, dtype), Linear(i, d, dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.gate = Gate(cfg, layer, dtype)
+        self.experts = Experts(cfg, dtype)
+        self.shared_experts = SharedExpert(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x, input_ids)
+        routed = moe_experts(x, experts, weights, self.experts.w13, self.experts.w2, swiglu_limit=self.limit)
+        s = self.shared_experts
+        return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        n, d = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.attn_norm = Norm(d, cfg.rms_norm_eps)
+        self.ffn_norm = Norm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, dtype)
+        self.ffn = MoE(cfg, layer, dtype)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _param(mix, n * d, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", _param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", _param(3, dtype=torch.float32))
+        self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+    def _mhc(self, site: str) -> MhcParams:
+        return MhcParams(getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                         getattr(self, f"hc_{site}_scale"))
+
+    def forward(self, x, input_ids, positions, caches):
+        """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
+        x = mhc_same_site_sublayer(x, lambda u: self.attn(self.attn_norm(u), positions, caches),
+                                   self._mhc("attn"), self.hc)
+        return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self._mhc("ffn"), self.hc)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The V4-Flash backbone (MTP head not included). Logits are fp32."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.embed = nn.Module()
+        self.embed.weight = _param(cfg.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = Norm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size, dtype)
+        self.hc_head_fn = _param(n, n * d, dtype=torch.float32)
+        self.hc_head_base = _param(n, dtype=torch.float32)
+        self.hc_head_scale = _param(1, dtype=torch.float32)
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache.empty(self.cfg.num_hidden_layers)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
+        """Run input_ids [B, S] as the next S tokens of B requests; return logits [B, S, V] fp32.
+
+        Each request's cache advances by S; a fresh cache makes this a full forward.
+        """
+        b, s = input_ids.shape
+        if len(caches) != b:
+            raise ValueError(f"need one cache per request: {len(caches)} caches for batch {b}")
+        positions = [torch.arange(c.seq_len, c.seq_len + s, device=input_ids.device) for c in caches]
+        ids = input_ids.reshape(-1)
+        x = self.embed.weight[ids]
+        x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ids, positions, [c.layers[i] for c in caches])
+        for c in caches:
+            c.seq_len += s
+        pre = mhc_head_weights(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                               norm_eps=self.cfg.rms_norm_eps, hc_eps=self.cfg.hc_eps)
+        h = self.norm(mhc_collapse(x, pre))
+        return F.linear(h.float(), self.head.weight.float()).view(b, s, -1)
+
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq]; got {input_ids.dtype}"
+                             f"{tuple(input_ids.shape)}")
+        bad = (input_ids < 0) | (input_ids >= self.cfg.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(input_ids[bad][0])} outside the vocabulary [0, {self.cfg.vocab_size})")
+        return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
