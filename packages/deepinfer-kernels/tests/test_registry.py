@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from deepinfer_kernels import registry
 from deepinfer_kernels.registry import dispatch, register_backend, register_reference, resolve
 

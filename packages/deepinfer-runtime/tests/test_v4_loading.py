@@ -7,11 +7,10 @@ import pytest
 import torch
 from deepinfer_kernels import fp8_block_dequantize, mxfp4_dequantize
 from deepinfer_kernels.testing.compare import assert_rel_close
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from deepinfer_runtime import CheckpointError, ConfigError, load_model
 from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 def _dequantised_twin(src, dst):
@@ -59,10 +58,12 @@ def test_quantised_checkpoint_equals_its_dequantised_twin(tmp_path, quant):
 
 def test_quantised_checkpoint_stays_close_to_unquantised(tmp_path):
     ids = torch.randint(0, 129280, (1, 40), generator=torch.Generator().manual_seed(1))
-    ref = load_model(write_tiny_checkpoint(tmp_path / "n", "v4", "none", seed=4), torch.float32,
-                     progress=False).forward_logits(ids)
-    q = load_model(write_tiny_checkpoint(tmp_path / "q", "v4", "fp8+fp4", seed=4), torch.float32,
-                   progress=False).forward_logits(ids)
+    ref = load_model(
+        write_tiny_checkpoint(tmp_path / "n", "v4", "none", seed=4), torch.float32, progress=False
+    ).forward_logits(ids)
+    q = load_model(
+        write_tiny_checkpoint(tmp_path / "q", "v4", "fp8+fp4", seed=4), torch.float32, progress=False
+    ).forward_logits(ids)
     assert_rel_close(q, ref, 0.5, "fp8+fp4 vs bf16 weights")  # same seed: same underlying weights
 
 

@@ -6,7 +6,6 @@ Both load the same checkpoint directory (released tensor names, real tokenizer) 
 import pytest
 import torch
 from deepinfer_kernels.testing.compare import assert_rel_close
-
 from deepinfer_runtime import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -55,7 +54,9 @@ def test_greedy_continuation_identical(tiny_v4_dirs, name):
     model = load_model(tiny_v4_dirs[name], dtype=torch.float32, progress=False)
     hf = _hf(tiny_v4_dirs[name])
     with torch.no_grad():
-        want = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+        want = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, ids.shape[1] :
+        ]
     cache = model.new_cache()
     logits = model(ids, [cache])
     got = []

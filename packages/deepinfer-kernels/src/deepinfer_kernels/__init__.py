@@ -4,9 +4,71 @@ reference that defines correct, plus GPU backends chosen through ``registry``.
 The op index (one import per public op):
 """
 
+from deepinfer_kernels.ops.grouped_linear import grouped_linear
+from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
+from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
+from deepinfer_kernels.ops.mhc import (
+    MhcConfig,
+    MhcParams,
+    mhc_coefficients,
+    mhc_collapse,
+    mhc_expand,
+    mhc_head_weights,
+    mhc_initial_pre_mix,
+    mhc_lagged_layer,
+    mhc_same_site_sublayer,
+)
+from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_clamp, swiglu_mlp
+from deepinfer_kernels.ops.quant import (
+    act_dequant_fp8,
+    act_quant_fp8,
+    e2m1_round,
+    fake_quant_e2m1,
+    fake_quant_fp8_ue8m0,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+)
 from deepinfer_kernels.ops.rms_norm import rms_norm
 from deepinfer_kernels.ops.rope import YarnScaling, rope_interleaved, rope_inv_freq
+from deepinfer_kernels.ops.sparse_mqa_attention import sparse_mqa_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "rope_interleaved", "rope_inv_freq", "YarnScaling"]
+__all__ = [
+    "rms_norm",
+    "rope_interleaved",
+    "rope_inv_freq",
+    "YarnScaling",
+    "sparse_mqa_attention",
+    "kv_compress_pool",
+    "overlap_windows",
+    "grouped_linear",
+    "MhcConfig",
+    "MhcParams",
+    "mhc_coefficients",
+    "mhc_collapse",
+    "mhc_expand",
+    "mhc_head_weights",
+    "mhc_initial_pre_mix",
+    "mhc_lagged_layer",
+    "mhc_same_site_sublayer",
+    "moe_experts",
+    "moe_route_hash",
+    "moe_route_topk",
+    "swiglu_clamp",
+    "swiglu_mlp",
+    "indexer_scores",
+    "indexer_topk",
+    "candidate_block_mask",
+    "fp8_block_quantize",
+    "fp8_block_dequantize",
+    "mxfp4_quantize",
+    "mxfp4_dequantize",
+    "act_quant_fp8",
+    "act_dequant_fp8",
+    "e2m1_round",
+    "fake_quant_fp8_ue8m0",
+    "fake_quant_e2m1",
+]

@@ -3,7 +3,6 @@ transformers' DeepSeek-V4 attention core, compressors and grouped output project
 
 import pytest
 import torch
-
 from deepinfer_kernels import (
     grouped_linear,
     kv_compress_pool,
@@ -19,11 +18,25 @@ from transformers import DeepseekV4Config  # noqa: E402
 
 
 def _cfg(**kw):
-    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-                vocab_size=100, index_n_heads=16, index_head_dim=32, q_lora_rank=32,
-                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-                rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                              "beta_fast": 32, "beta_slow": 1})
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=16,
+        vocab_size=100,
+        index_n_heads=16,
+        index_head_dim=32,
+        q_lora_rank=32,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
     base.update(kw)
     return DeepseekV4Config(**base)
 
@@ -51,8 +64,9 @@ def test_sparse_mqa_matches_transformers_eager_with_sinks():
 
     holder = Holder()
     holder.sinks = sinks
-    want, _ = hf.eager_attention_forward(holder, q.transpose(0, 1)[None], kv[None, None], kv[None, None],
-                                         mask[None, None], scaling=d**-0.5)
+    want, _ = hf.eager_attention_forward(
+        holder, q.transpose(0, 1)[None], kv[None, None], kv[None, None], mask[None, None], scaling=d**-0.5
+    )
     got = sparse_mqa_attention(q, kv, idx, sinks, d**-0.5)
     assert_rel_close(got, want[0], 1e-6, "attention")
 
@@ -118,8 +132,13 @@ def test_csa_overlapping_compressor_matches_transformers_and_chunking():
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache(config=_cfg(num_hidden_layers=1, layer_types=["compressed_sparse_attention"]))
-    want, _ = csa(xs, csa.q_a_proj(xs) if hasattr(csa, "q_a_proj") else torch.randn(1, 24, 32, generator=g),
-                  torch.arange(24)[None], cache, 0)
+    want, _ = csa(
+        xs,
+        csa.q_a_proj(xs) if hasattr(csa, "q_a_proj") else torch.randn(1, 24, 32, generator=g),
+        torch.arange(24)[None],
+        cache,
+        0,
+    )
     got = _ours_compress(csa, xs[0], 4, True, csa.rotary_emb.compress_inv_freq, cfg.rms_norm_eps)
     assert_rel_close(got, want[0, 0], 1e-6, "CSA entries")
 

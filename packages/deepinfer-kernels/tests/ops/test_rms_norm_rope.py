@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from deepinfer_kernels import YarnScaling, rms_norm, rope_interleaved, rope_inv_freq
 from deepinfer_kernels.testing.compare import assert_rel_close
 
@@ -13,9 +12,21 @@ from transformers import DeepseekV4Config  # noqa: E402
 
 
 def _hf_config(**kw):
-    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-                vocab_size=100, rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                                              "beta_fast": 32, "beta_slow": 1})
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=16,
+        vocab_size=100,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
     base.update(kw)
     return DeepseekV4Config(**base)
 

@@ -27,8 +27,10 @@ def default_model_dir() -> Path:
     root = Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
     path = root / "tiny-v4-flash-fp8-fp4-seed0"
     if not (path / "config.json").exists():
-        print(f"[deepinfer] no --model given: building a tiny random DeepSeek-V4-Flash checkpoint at {path}",
-              file=sys.stderr)
+        print(
+            f"[deepinfer] no --model given: building a tiny random DeepSeek-V4-Flash checkpoint at {path}",
+            file=sys.stderr,
+        )
         write_tiny_checkpoint(path.with_suffix(".tmp"), "v4", "fp8+fp4", seed=0)
         path.with_suffix(".tmp").rename(path)
     else:
@@ -71,8 +73,10 @@ def _generate(args: argparse.Namespace) -> int:
         total_new += len(out)
         print(f"[{i}] {prompt!r} -> {tokenizer.decode(out, skip_special_tokens=False)!r}")
     elapsed = time.perf_counter() - start
-    print(f"\n{len(prompts)} prompt(s), {total_new} generated tokens in {elapsed:.2f} s "
-          f"({total_new / max(elapsed, 1e-9):.1f} tok/s, greedy, reference ops on {args.dtype})")
+    print(
+        f"\n{len(prompts)} prompt(s), {total_new} generated tokens in {elapsed:.2f} s "
+        f"({total_new / max(elapsed, 1e-9):.1f} tok/s, greedy, reference ops on {args.dtype})"
+    )
     return 0
 
 

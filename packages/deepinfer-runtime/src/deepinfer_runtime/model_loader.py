@@ -11,8 +11,14 @@ from deepinfer_runtime.errors import CheckpointError, ConfigError
 from deepinfer_runtime.loader.safetensors_dir import SafetensorsDir
 from deepinfer_runtime.loader.weights import load_weights
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -25,8 +31,12 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu",
-               progress: bool = True) -> torch.nn.Module:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> torch.nn.Module:
     """Load the model in ``path`` (config.json + safetensors) with weights dequantised to ``dtype``.
 
     Supported architectures: ``DeepseekV4ForCausalLM``. The returned model has
@@ -53,7 +63,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.bfloat16, devi
         ckpt = SafetensorsDir(path)
         model = DeepseekV4ForCausalLM(cfg, dtype=dtype)
         # the MTP head (mtp.*) belongs to speculative decoding; it is not part of this model
-        load_weights(model, v4_inventory(cfg), ckpt, cfg.quant, model_param_for, ignore_prefixes=("mtp.",),
-                     progress=progress)
+        load_weights(
+            model, v4_inventory(cfg), ckpt, cfg.quant, model_param_for, ignore_prefixes=("mtp.",), progress=progress
+        )
         return model.to(device).eval()
     raise ConfigError(f"{config_file}: architecture {arch!r} is not supported (have: DeepseekV4ForCausalLM)")

@@ -33,9 +33,7 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, w
 def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """Exact equality of values, dtype and shape (NaNs compare equal to NaNs)."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        raise AssertionError(
-            f"{what}: {actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}"
-        )
+        raise AssertionError(f"{what}: {actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}")
     if not torch.equal(actual, expected):
         same_nan = actual.isnan() & expected.isnan()
         diff = (actual != expected) & ~same_nan

@@ -39,8 +39,10 @@ class SafetensorsDir:
                 have = self._keys(f)
                 absent = sorted(names - have)
                 if absent:
-                    raise CheckpointError(f"{self.path / f}: {len(absent)} tensor(s) listed in the index are not "
-                                          f"in the shard, e.g. {absent[:5]}")
+                    raise CheckpointError(
+                        f"{self.path / f}: {len(absent)} tensor(s) listed in the index are not "
+                        f"in the shard, e.g. {absent[:5]}"
+                    )
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:

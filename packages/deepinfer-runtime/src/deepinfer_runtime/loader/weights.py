@@ -46,12 +46,15 @@ def check_inventory(inventory: list[TensorSpec], ckpt: SafetensorsDir, ignore_pr
         if missing:
             parts.append(f"{len(missing)} missing tensor(s): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensor(s): {unexpected[:20]}"
-                         f"{' ...' if len(unexpected) > 20 else ''}")
+            parts.append(
+                f"{len(unexpected)} unexpected tensor(s): {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+            )
         raise CheckpointError(f"{ckpt.path}: checkpoint does not match the config: " + "; ".join(parts))
 
 
-def decode_tensor(spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | None, dtype: torch.dtype) -> torch.Tensor:
+def decode_tensor(
+    spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | None, dtype: torch.dtype
+) -> torch.Tensor:
     """Read ``spec.name`` and return it dequantised, [spec.shape] in ``dtype``."""
     raw = ckpt.get(spec.name)
     scale_name = _scale_name(spec.name) if spec.name.endswith(".weight") else None
@@ -65,8 +68,10 @@ def decode_tensor(spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | N
                 raise CheckpointError(f"{where}: packed FP4 is only valid for routed experts")
             want = (spec.shape[0], spec.shape[1] // 2)
             if tuple(raw.shape) != want or tuple(scale.shape) != (spec.shape[0], spec.shape[1] // 32):
-                raise CheckpointError(f"{where}: FP4 shapes {tuple(raw.shape)}/{tuple(scale.shape)} != "
-                                      f"{want}/{(spec.shape[0], spec.shape[1] // 32)}")
+                raise CheckpointError(
+                    f"{where}: FP4 shapes {tuple(raw.shape)}/{tuple(scale.shape)} != "
+                    f"{want}/{(spec.shape[0], spec.shape[1] // 32)}"
+                )
             return mxfp4_dequantize(raw, scale, out_dtype=torch.float32).to(dtype)
         if raw.dtype in _FP8:
             if quant is None:
@@ -74,8 +79,10 @@ def decode_tensor(spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | N
             b0, b1 = quant.weight_block_size
             want = (-(-spec.shape[0] // b0), -(-spec.shape[1] // b1))
             if tuple(raw.shape) != spec.shape or tuple(scale.shape) != want:
-                raise CheckpointError(f"{where}: FP8 shapes {tuple(raw.shape)}/{tuple(scale.shape)} != "
-                                      f"{spec.shape}/{want} for block {quant.weight_block_size}")
+                raise CheckpointError(
+                    f"{where}: FP8 shapes {tuple(raw.shape)}/{tuple(scale.shape)} != "
+                    f"{spec.shape}/{want} for block {quant.weight_block_size}"
+                )
             return fp8_block_dequantize(raw, scale, (b0, b1), out_dtype=torch.float32).to(dtype)
         raise CheckpointError(f"{where}: has a scale but dtype {raw.dtype} (want float8_e4m3fn or int8)")
     if tuple(raw.shape) != spec.shape:
@@ -110,5 +117,5 @@ def load_weights(
             target = target[expert]
             if half is not None:
                 rows = value.shape[0]
-                target = target[half * rows:(half + 1) * rows]
+                target = target[half * rows : (half + 1) * rows]
         target.copy_(value)

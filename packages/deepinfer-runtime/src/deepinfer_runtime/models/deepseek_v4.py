@@ -41,7 +41,7 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
-from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -131,7 +131,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, overlap=True, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: CompressorState,
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        positions: torch.Tensor,
+        state: CompressorState,
         inv_freq: torch.Tensor,
     ) -> torch.Tensor:
         """x [S, d], qr [S, q_lora_rank] -> selected entry ids [S, k] (-1 = none)."""
@@ -188,7 +192,7 @@ class Attention(nn.Module):
         win = self.cfg.sliding_window
         rows = _cat(cache.window, kv)  # latents of positions base .. last
         base = int(positions[0]) - (rows.shape[0] - kv.shape[0])
-        cache.window = rows[-(win - 1):] if win > 1 else rows[:0]
+        cache.window = rows[-(win - 1) :] if win > 1 else rows[:0]
         # window: positions t-win+1 .. t, as rows of `rows`
         key_pos = positions[:, None] - win + 1 + torch.arange(win, device=x.device)
         idx = torch.where(key_pos >= 0, key_pos - base, -1)
@@ -218,8 +222,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        kw = dict(route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func,
-                  norm_topk=self.cfg.norm_topk_prob)
+        kw = dict(
+            route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func, norm_topk=self.cfg.norm_topk_prob
+        )
         if self.is_hash:
             return moe_route_hash(logits, self.tid2eid, input_ids, **kw)
         return moe_route_topk(logits, self.bias, self.cfg.num_experts_per_tok, **kw)
@@ -271,13 +276,15 @@ class Block(nn.Module):
         self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
 
     def _mhc(self, site: str) -> MhcParams:
-        return MhcParams(getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                         getattr(self, f"hc_{site}_scale"))
+        return MhcParams(
+            getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
+        )
 
     def forward(self, x, input_ids, positions, caches):
         """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
-        x = mhc_same_site_sublayer(x, lambda u: self.attn(self.attn_norm(u), positions, caches),
-                                   self._mhc("attn"), self.hc)
+        x = mhc_same_site_sublayer(
+            x, lambda u: self.attn(self.attn_norm(u), positions, caches), self._mhc("attn"), self.hc
+        )
         return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self._mhc("ffn"), self.hc)
 
 
@@ -317,16 +324,23 @@ class DeepseekV4ForCausalLM(nn.Module):
             x = layer(x, ids, positions, [c.layers[i] for c in caches])
         for c in caches:
             c.seq_len += s
-        pre = mhc_head_weights(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                               norm_eps=self.cfg.rms_norm_eps, hc_eps=self.cfg.hc_eps)
+        pre = mhc_head_weights(
+            x,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+        )
         h = self.norm(mhc_collapse(x, pre))
         return F.linear(h.float(), self.head.weight.float()).view(b, s, -1)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"input_ids must be an integer tensor [batch, seq]; got {input_ids.dtype}"
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be an integer tensor [batch, seq]; got {input_ids.dtype}{tuple(input_ids.shape)}"
+            )
         bad = (input_ids < 0) | (input_ids >= self.cfg.vocab_size)
         if bad.any():
             raise ValueError(f"token id {int(input_ids[bad][0])} outside the vocabulary [0, {self.cfg.vocab_size})")

@@ -22,29 +22,87 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 
 # Keys that carry no model semantics for inference (HF bookkeeping, training knobs).
 _IGNORED_KEYS = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range",
-    "use_cache", "attention_dropout", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
-    "pad_token_id", "topk_method", "n_group", "topk_group", "keys_to_ignore_at_inference", "_name_or_path",
-    "auto_map", "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "first_k_dense_replace",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "initializer_range",
+    "use_cache",
+    "attention_dropout",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "pad_token_id",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "keys_to_ignore_at_inference",
+    "_name_or_path",
+    "auto_map",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "first_k_dense_replace",
     # V4-Flash-0731 DSpark fields: the draft head is the speculative-decoding issue's business
-    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_block_size", "dspark_noise_token_id",
-    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+    "dspark_block_size",
+    "dspark_noise_token_id",
+    "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok",
 }
 _MUST_BE = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "num_key_value_heads": 1}
 _FIELDS_WITH_DEFAULTS = {
-    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 0,
-    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "n_shared_experts": 1,
-    "sliding_window": 128, "o_groups": 8, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "max_position_embeddings": 1048576,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "n_shared_experts": 1,
+    "sliding_window": 128,
+    "o_groups": 8,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
 }
 _REQUIRED = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-    "o_lora_rank", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "o_lora_rank",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
 )
-_LEGACY = {"compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
-           "rope_scaling", "expert_dtype"}
+_LEGACY = {
+    "compress_ratios",
+    "compress_rate_csa",
+    "compress_rate_hca",
+    "num_hash_layers",
+    "qk_rope_head_dim",
+    "rope_scaling",
+    "expert_dtype",
+}
 _HF_NATIVE = {"layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor"}
 
 
@@ -144,8 +202,11 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         if key in raw and raw.pop(key) != want:
             raise ConfigError(f"field {key!r}: only {want!r} is supported by DeepSeek V4")
     ints = {k: _take(raw, k, int) for k in _REQUIRED}
-    d = {k: _take(raw, k, type(v) if not isinstance(v, float) else float, v) for k, v in _FIELDS_WITH_DEFAULTS.items()
-         if k not in ("bos_token_id", "eos_token_id")}
+    d = {
+        k: _take(raw, k, type(v) if not isinstance(v, float) else float, v)
+        for k, v in _FIELDS_WITH_DEFAULTS.items()
+        if k not in ("bos_token_id", "eos_token_id")
+    }
     bos = raw.pop("bos_token_id", 0)
     eos = raw.pop("eos_token_id", 1)
     n = ints["num_hidden_layers"]
@@ -235,12 +296,38 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         raise ConfigError(f"unknown config field(s): {sorted(raw)}")
 
     cfg = DeepseekV4Config(
-        **ints, **{k: d[k] for k in ("o_groups", "index_n_heads", "index_head_dim", "index_topk", "sliding_window",
-                                     "rope_theta", "compress_rope_theta", "max_position_embeddings", "scoring_func",
-                                     "norm_topk_prob", "routed_scaling_factor", "swiglu_limit", "hc_mult",
-                                     "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "num_nextn_predict_layers")},
-        qk_rope_head_dim=rope_dim, layer_types=layer_types, compress_rates=rates, hash_layers=n_hash, yarn=yarn,
-        bos_token_id=bos, eos_token_id=eos, quant=quant, extra=extra,
+        **ints,
+        **{
+            k: d[k]
+            for k in (
+                "o_groups",
+                "index_n_heads",
+                "index_head_dim",
+                "index_topk",
+                "sliding_window",
+                "rope_theta",
+                "compress_rope_theta",
+                "max_position_embeddings",
+                "scoring_func",
+                "norm_topk_prob",
+                "routed_scaling_factor",
+                "swiglu_limit",
+                "hc_mult",
+                "hc_sinkhorn_iters",
+                "hc_eps",
+                "rms_norm_eps",
+                "num_nextn_predict_layers",
+            )
+        },
+        qk_rope_head_dim=rope_dim,
+        layer_types=layer_types,
+        compress_rates=rates,
+        hash_layers=n_hash,
+        yarn=yarn,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        quant=quant,
+        extra=extra,
     )
     if d["n_shared_experts"] != 1:
         raise ConfigError(f"field 'n_shared_experts' = {d['n_shared_experts']}: DeepSeek V4 has exactly 1")

@@ -45,8 +45,11 @@ def v4_inventory(cfg: DeepseekV4Config) -> list[TensorSpec]:
         t = [
             (p + "attn_norm.weight", (d,), BF16),
             (p + "ffn_norm.weight", (d,), BF16),
-            *[(p + f"hc_{s}_{part}", shape, FP32) for s in ("attn", "ffn")
-              for part, shape in (("fn", (mix, n * d)), ("base", (mix,)), ("scale", (3,)))],
+            *[
+                (p + f"hc_{s}_{part}", shape, FP32)
+                for s in ("attn", "ffn")
+                for part, shape in (("fn", (mix, n * d)), ("base", (mix,)), ("scale", (3,)))
+            ],
             (p + "attn.attn_sink", (h,), FP32),
             (p + "attn.wq_a.weight", (ql, d), LINEAR),
             (p + "attn.q_norm.weight", (ql,), BF16),
@@ -65,19 +68,32 @@ def v4_inventory(cfg: DeepseekV4Config) -> list[TensorSpec]:
             ratio = cfg.compress_rates[kind]
             width = 2 * hd if kind == CSA else hd
             c = p + "attn.compressor."
-            t += [(c + "wkv.weight", (width, d), BF16), (c + "wgate.weight", (width, d), BF16),
-                  (c + "ape", (ratio, width), FP32), (c + "norm.weight", (hd,), BF16)]
+            t += [
+                (c + "wkv.weight", (width, d), BF16),
+                (c + "wgate.weight", (width, d), BF16),
+                (c + "ape", (ratio, width), FP32),
+                (c + "norm.weight", (hd,), BF16),
+            ]
         if kind == CSA:
             ratio = cfg.compress_rates[CSA]
             c = p + "attn.indexer."
-            t += [(c + "wq_b.weight", (hi * dh, ql), LINEAR), (c + "weights_proj.weight", (hi, d), BF16),
-                  (c + "compressor.wkv.weight", (2 * dh, d), BF16), (c + "compressor.wgate.weight", (2 * dh, d), BF16),
-                  (c + "compressor.ape", (ratio, 2 * dh), FP32), (c + "compressor.norm.weight", (dh,), BF16)]
-        t.append((p + "ffn.gate.tid2eid", (v, k), INT64) if cfg.is_hash_layer(layer)
-                 else (p + "ffn.gate.bias", (e,), FP32))
+            t += [
+                (c + "wq_b.weight", (hi * dh, ql), LINEAR),
+                (c + "weights_proj.weight", (hi, d), BF16),
+                (c + "compressor.wkv.weight", (2 * dh, d), BF16),
+                (c + "compressor.wgate.weight", (2 * dh, d), BF16),
+                (c + "compressor.ape", (ratio, 2 * dh), FP32),
+                (c + "compressor.norm.weight", (dh,), BF16),
+            ]
+        t.append(
+            (p + "ffn.gate.tid2eid", (v, k), INT64) if cfg.is_hash_layer(layer) else (p + "ffn.gate.bias", (e,), FP32)
+        )
         for x in range(e):
-            t += [(p + f"ffn.experts.{x}.w1.weight", (i, d), EXPERT), (p + f"ffn.experts.{x}.w3.weight", (i, d), EXPERT),
-                  (p + f"ffn.experts.{x}.w2.weight", (d, i), EXPERT)]
+            t += [
+                (p + f"ffn.experts.{x}.w1.weight", (i, d), EXPERT),
+                (p + f"ffn.experts.{x}.w3.weight", (i, d), EXPERT),
+                (p + f"ffn.experts.{x}.w2.weight", (d, i), EXPERT),
+            ]
         out += [TensorSpec(*row) for row in t]
     return out
 

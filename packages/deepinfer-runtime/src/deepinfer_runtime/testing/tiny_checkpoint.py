@@ -22,7 +22,15 @@ from deepinfer_kernels import fp8_block_quantize, mxfp4_quantize
 from safetensors.torch import save_file
 
 from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
-from deepinfer_runtime.models.deepseek_v4_weights import BF16, EXPERT, FP32, INT64, LINEAR, TensorSpec, v4_inventory
+from deepinfer_runtime.models.deepseek_v4_weights import (
+    BF16,
+    EXPERT,
+    FP32,
+    INT64,
+    LINEAR,
+    TensorSpec,
+    v4_inventory,
+)
 
 QUANT_MODES = ("none", "fp8", "fp8+fp4")
 
@@ -35,21 +43,58 @@ def tiny_v4_config(**overrides: Any) -> dict[str, Any]:
     indexer heads so that indexer top-k scores do not tie.
     """
     cfg: dict[str, Any] = {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
-        "hc_eps": 1e-6, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 32, "hidden_act": "silu",
-        "hidden_size": 64, "index_head_dim": 32, "index_n_heads": 16, "index_topk": 8,
-        "initializer_range": 0.02, "max_position_embeddings": 1048576, "moe_intermediate_size": 32,
-        "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
-        "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_hash_layers": 2, "num_key_value_heads": 1,
-        "num_nextn_predict_layers": 0, "o_groups": 2, "o_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hc_eps": 1e-6,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "index_head_dim": 32,
+        "index_n_heads": 16,
+        "index_topk": 8,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 1048576,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_hash_layers": 2,
+        "num_key_value_heads": 1,
+        "num_nextn_predict_layers": 0,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
         "rms_norm_eps": 1e-6,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
-                         "type": "yarn"},
-        "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 16,
-        "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-        "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
-        "compress_ratios": [0, 4, 128, 4], "compress_rate_hca": 16,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "sliding_window": 16,
+        "swiglu_limit": 10.0,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 129280,
+        "compress_rope_theta": 160000,
+        "compress_ratios": [0, 4, 128, 4],
+        "compress_rate_hca": 16,
     }
     cfg.update(overrides)
     return cfg
@@ -99,8 +144,12 @@ def copy_tokenizer(out: Path) -> None:
 
 
 def write_tiny_checkpoint(
-    out: str | Path, arch: str = "v4", quant: str = "none", seed: int = 0,
-    config: dict[str, Any] | None = None, num_shards: int = 2,
+    out: str | Path,
+    arch: str = "v4",
+    quant: str = "none",
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+    num_shards: int = 2,
 ) -> Path:
     """Write the checkpoint directory ``out`` and return it. ``config`` overrides the tiny config."""
     if arch != "v4":
@@ -112,8 +161,13 @@ def write_tiny_checkpoint(
     raw = tiny_v4_config(**(config or {}))
     block = (128, 128)
     if quant != "none":
-        raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                      "scale_fmt": "ue8m0", "weight_block_size": list(block)}
+        raw["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(block),
+        }
         raw["expert_dtype"] = "fp4" if quant == "fp8+fp4" else "fp8"
         block = tuple(raw["quantization_config"]["weight_block_size"])
     cfg = DeepseekV4Config.from_dict(raw)

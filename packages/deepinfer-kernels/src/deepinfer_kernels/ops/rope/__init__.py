@@ -40,8 +40,10 @@ def rope_inv_freq(rope_dim: int, base: float, yarn: YarnScaling | None = None) -
         return inv_freq
 
     def correction_dim(rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(base)
+        return (
+            rope_dim
+            * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
         )
 
     low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)

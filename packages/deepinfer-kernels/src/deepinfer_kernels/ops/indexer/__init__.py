@@ -1,0 +1,149 @@
+"""Lightning indexer: head-weighted ReLU scores, top-k selection of compressed entries, and the
+V4.1 two-level pre-filter (candidate blocks published by layer 20, honoured by layers 24/28/32/36).
+
+Shared conventions of the four functions:
+
+* ``visible`` [B, S] int64 is the number of compressed entries query (b, s) may see: entry n is
+  visible iff ``n < visible[b, s]`` (V4: floor((t+1)/4); V4.1: floor((t+1)/ratio)). Values are
+  clamped to [0, N] (no host sync to validate them), so a length past the end means "all N".
+* An entry is *selectable* when it is visible, inside ``mask`` (when one is given) and its score is
+  neither NaN nor -inf. NaN and -inf scores are treated exactly like invisible entries: they are
+  never picked and never make a block count. (V4.1 drops -inf picks; V4 would keep a -inf pick at a
+  visible position, which ReLU scores never produce, so the two agree on real scores.)
+* Ties: among equal scores the choice is unspecified (the reference uses ``torch.topk``), so any
+  implementation may pick any of the tied entries. Tests check properties, not indices, on ties.
+"""
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the references)
+
+
+def _check_scores_visible(fn: str, scores: torch.Tensor, visible: torch.Tensor) -> None:
+    if scores.dim() != 3:
+        raise ValueError(f"{fn}: scores must be [B, S, N], got shape {tuple(scores.shape)}")
+    if scores.dtype != torch.float32:
+        raise ValueError(f"{fn}: scores must be float32, got {scores.dtype}")
+    if visible.shape != scores.shape[:2]:
+        raise ValueError(f"{fn}: visible shape {tuple(visible.shape)} must be [B, S] = {tuple(scores.shape[:2])}")
+    if visible.dtype != torch.int64:
+        raise ValueError(f"{fn}: visible must be int64, got {visible.dtype}")
+
+
+def _check_count(fn: str, name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{fn}: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """I[b,s,n] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,n]) * softmax_scale, in fp32.
+
+    Operation order (fixed, so fp32 results agree with transformers' DeepseekV4IndexerScorer to
+    ~1e-6): fp32 dot products, ReLU, times ``softmax_scale``, times the head weight, sum over heads.
+    No visibility masking here: invisible entries get ordinary scores; ``indexer_topk`` and
+    ``candidate_block_mask`` apply ``visible``.
+
+    Args:
+        q: [B, S, H, Dh] indexer queries (after RoPE and any FP4 simulation), any float dtype;
+            upcast to fp32.
+        k: [B, N, Dh] index keys of the compressed entries, any float dtype; upcast to fp32.
+        weights: [B, S, H] fp32 per-head weights, already multiplied by H^-0.5 by the caller
+            (V4: weights_proj(x) * 64^-0.5; V4.1: * 32^-0.5).
+        softmax_scale: Dh^-0.5 (128^-0.5 for both models).
+
+    Returns:
+        [B, S, N] fp32. N = 0 gives an empty [B, S, 0]. See reference.py.
+    """
+    fn = "indexer_scores"
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: q must be [B, S, H, Dh], got shape {tuple(q.shape)}")
+    if k.dim() != 3:
+        raise ValueError(f"{fn}: k must be [B, N, Dh], got shape {tuple(k.shape)}")
+    if weights.dim() != 3:
+        raise ValueError(f"{fn}: weights must be [B, S, H], got shape {tuple(weights.shape)}")
+    if not q.is_floating_point() or not k.is_floating_point():
+        raise ValueError(f"{fn}: q and k must be floating point, got {q.dtype} and {k.dtype}")
+    if weights.dtype != torch.float32:
+        raise ValueError(f"{fn}: weights must be float32, got {weights.dtype}")
+    b, s, h, dh = q.shape
+    if k.shape[0] != b or k.shape[2] != dh:
+        raise ValueError(f"{fn}: k shape {tuple(k.shape)} must be [B={b}, N, Dh={dh}] to match q")
+    if weights.shape != (b, s, h):
+        raise ValueError(f"{fn}: weights shape {tuple(weights.shape)} must be [B, S, H] = {(b, s, h)}")
+    return dispatch(fn, q.device, q, k, weights, float(softmax_scale))
+
+
+def indexer_topk(
+    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Indices of the top-``top_k`` selectable scores per query row, ascending, -1 padded.
+
+    Selectable = visible (n < visible[b, s]) and, when ``mask`` is given, mask[b, s, n] is True,
+    and the score is not NaN / -inf (see the module docstring). ``mask`` is how the V4.1 re-index
+    layers (24, 28, 32, 36) restrict their selection to layer 20's ``candidate_block_mask``;
+    layer 20 itself and every V4 layer pass ``mask=None``.
+
+    Output order (contract): the selected indices in ascending order, then -1 for every slot that
+    no selectable entry can fill (fewer than min(top_k, N) selectable entries). So each row holds
+    min(top_k, #selectable) distinct indices followed by -1s. DeepSeek V4.1 re-sorts its picks
+    ascending; V4 consumers do not depend on the order.
+
+    Ties: which of several equal scores is taken at the boundary is unspecified.
+
+    Args:
+        scores: [B, S, N] fp32 (e.g. from ``indexer_scores``).
+        visible: [B, S] int64 visible lengths (clamped to [0, N]).
+        top_k: int >= 0 (V4 and V4.1: 512); the output width is min(top_k, N).
+        mask: optional bool [B, S, N]; False entries are treated as invisible.
+
+    Returns:
+        [B, S, min(top_k, N)] int64. See reference.py.
+    """
+    fn = "indexer_topk"
+    _check_scores_visible(fn, scores, visible)
+    _check_count(fn, "top_k", top_k, 0)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"{fn}: mask must be bool, got {mask.dtype}")
+        if mask.shape != scores.shape:
+            raise ValueError(f"{fn}: mask shape {tuple(mask.shape)} != scores shape {tuple(scores.shape)}")
+    return dispatch(fn, scores.device, scores, visible, top_k, mask)
+
+
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int, top_blocks: int) -> torch.Tensor:
+    """V4.1 level-one pre-filter (layer 20, spec B.3.4): a per-position mask of the kept blocks.
+
+    Blocks are ``block_size`` consecutive entries (the last one padded with -inf up to a multiple
+    of ``block_size``). A block's score is the max over its selectable entries (-inf if none).
+    The block holding the newest visible entry, (visible - 1) // block_size, is always kept: it
+    is pinned to +inf and **takes one of the ``top_blocks`` slots** (it is part of the budget, not
+    an extra block). The remaining slots go to the highest-scoring other blocks with a finite
+    score. So a row keeps min(top_blocks, #eligible) blocks, eligible = the newest block plus every
+    block with a selectable entry (with finite visible scores: every block holding a visible
+    entry). The block mask is expanded to positions and ANDed with visibility.
+
+    Why the forced block is inside the budget: model_v41_flash.md section 3.4 ("always kept (its
+    score is set to +inf)" then "The top 2048 blocks are kept, i.e. at most 16,384 positions") and
+    model_v41_flash_as_in_vllm.md section 3.7 ("pinned to +inf. Keep the top
+    candidate_topk_blocks = 2048 blocks"); transformers main's V4.1 port pins the block to +inf
+    before a single top-k(min(topk_blocks, n_blocks)) in the same way.
+
+    Ties among non-pinned blocks at the boundary: which block is kept is unspecified.
+
+    Args:
+        scores: [B, S, N] fp32 indexer scores of the candidate-source layer (unmasked; this
+            function applies ``visible``).
+        visible: [B, S] int64 visible lengths (clamped to [0, N]); a 0 gives an all-False row.
+        block_size: int >= 1 (V4.1: 8).
+        top_blocks: int >= 1 (V4.1: 2048).
+
+    Returns:
+        bool [B, S, N]; True exactly on the visible entries of the kept blocks. See reference.py.
+    """
+    fn = "candidate_block_mask"
+    _check_scores_visible(fn, scores, visible)
+    _check_count(fn, "block_size", block_size, 1)
+    _check_count(fn, "top_blocks", top_blocks, 1)
+    return dispatch(fn, scores.device, scores, visible, block_size, top_blocks)

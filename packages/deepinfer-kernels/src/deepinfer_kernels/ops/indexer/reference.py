@@ -1,0 +1,67 @@
+"""Plain-PyTorch lightning-indexer scores, top-k selection and the V4.1 candidate-block pre-filter
+(the definition of correct; the contracts are in ``__init__.py``)."""
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels.registry import register_reference
+
+_NEG_INF = float("-inf")
+
+
+def _selectable(scores: torch.Tensor, visible: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """bool [B, S, N]: n < visible (clamped to [0, N]), inside ``mask``, and a score that is not NaN."""
+    n = scores.shape[-1]
+    entry = torch.arange(n, device=scores.device)
+    keep = entry < visible.to(scores.device).clamp(0, n).unsqueeze(-1)
+    if mask is not None:
+        keep = keep & mask
+    return keep & ~scores.isnan()
+
+
+@register_reference("indexer_scores")
+def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    # Same operation order as the trained model (and transformers' V4 scorer): per-head dot
+    # products in fp32, ReLU, times the softmax scale, times the per-head weight, sum over heads.
+    # [B, S, H, Dh] @ [B, 1, Dh, N] -> [B, S, H, N]
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1))
+    logits = torch.relu(logits) * softmax_scale
+    return (logits * weights.float().unsqueeze(-1)).sum(dim=2)
+
+
+@register_reference("indexer_topk")
+def indexer_topk_ref(
+    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    n = scores.shape[-1]
+    k = min(top_k, n)
+    selectable = _selectable(scores, visible, mask)
+    masked = scores.masked_fill(~selectable, _NEG_INF)
+    values, picks = masked.topk(k, dim=-1, sorted=False)
+    # a pick is real only when it carries a selectable score (-inf picks fill rows with fewer than
+    # k candidates, at arbitrary indices); park the others at n so the ascending sort puts them last
+    picks = torch.where(values > _NEG_INF, picks, torch.full_like(picks, n))
+    picks = picks.sort(dim=-1).values
+    return torch.where(picks == n, torch.full_like(picks, -1), picks)
+
+
+@register_reference("candidate_block_mask")
+def candidate_block_mask_ref(
+    scores: torch.Tensor, visible: torch.Tensor, block_size: int, top_blocks: int
+) -> torch.Tensor:
+    b, s, n = scores.shape
+    n_blocks = -(-n // block_size)
+    vis = visible.to(scores.device).clamp(0, n)
+    selectable = _selectable(scores, vis, None)
+    padded = F.pad(scores.masked_fill(~selectable, _NEG_INF), (0, n_blocks * block_size - n), value=_NEG_INF)
+    block_scores = padded.view(b, s, n_blocks, block_size).amax(dim=-1)
+    # the block of the newest visible entry is pinned to +inf so it always wins a slot of the budget;
+    # rows with nothing visible get newest = -1, which matches no block
+    newest = torch.div(vis - 1, block_size, rounding_mode="floor")
+    blocks = torch.arange(n_blocks, device=scores.device)
+    block_scores = block_scores.masked_fill(blocks == newest.unsqueeze(-1), float("inf"))
+    values, picks = block_scores.topk(min(top_blocks, n_blocks), dim=-1, sorted=False)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, values > _NEG_INF)
+    per_position = keep.repeat_interleave(block_size, dim=-1)[..., :n]
+    entry = torch.arange(n, device=scores.device)
+    return per_position & (entry < vis.unsqueeze(-1))

@@ -1,0 +1,229 @@
+"""Manifold-constrained hyper-connections (mHC): coefficients, collapse, expand, and the two
+block wirings (V4 same-site, V4.1 lagged single-pass).
+
+Layout is token-flat: the residual is ``x`` [T, n, d] with n = ``hc_mult`` streams (4 for both
+DeepSeek V4-Flash and V4.1-Flash). Coefficients are always fp32; collapse/expand accumulate in
+fp32 and return ``x.dtype``.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the references)
+
+
+@dataclass(frozen=True)
+class MhcParams:
+    """One mHC site's parameters (``hc_attn_*`` or ``hc_ffn_*`` in the checkpoint, all fp32).
+
+    ``fn`` rows are [pre n | post n | comb n*n] (comb row-major: row j*n + k is the weight of
+    input stream j in output stream k); columns are the stream-major flattened n*d input.
+    """
+
+    fn: torch.Tensor  # [(2+n)*n, n*d] fp32
+    base: torch.Tensor  # [(2+n)*n] fp32
+    scale: torch.Tensor  # [3] fp32 (pre, post, comb)
+
+
+@dataclass(frozen=True)
+class MhcConfig:
+    """``norm_eps``: rsqrt epsilon of the flattened-stream RMSNorm (V4 1e-6, V4.1 1e-20).
+    ``hc_eps``: added to ``pre``, to the softmax and inside every Sinkhorn division (1e-6).
+    ``sinkhorn_iters``: 20 for both models (1 column pass + 19 row/column passes)."""
+
+    norm_eps: float
+    hc_eps: float
+    sinkhorn_iters: int
+
+
+def _check_streams(x: torch.Tensor, what: str) -> tuple[int, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"{what}: x must be [T, n, d], got {tuple(x.shape)}")
+    return tuple(x.shape)  # type: ignore[return-value]
+
+
+def mhc_coefficients(
+    x: torch.Tensor, params: MhcParams, cfg: MhcConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token mHC mixing coefficients of one site.
+
+    flat = x.reshape(T, n*d) in fp32; m = (flat * rsqrt(mean(flat^2) + norm_eps)) @ fn^T, split
+    [m_pre n | m_post n | m_comb n*n] (``base`` likewise, ``scale`` = (s_pre, s_post, s_comb)):
+
+    * pre = sigmoid(s_pre * m_pre + b_pre) + hc_eps
+    * post = 2 * sigmoid(s_post * m_post + b_post)
+    * L[j, k] = s_comb * m_comb[j*n + k] + b_comb[j*n + k]; C = softmax_k(L) + hc_eps;
+      C /= (sum_j C + hc_eps) (columns); then (sinkhorn_iters - 1) times: rows (sum_k), columns.
+
+    comb[t, j, k] is the weight of input stream j in output stream k (doubly stochastic up to the
+    eps terms, not symmetric): consume it with ``mhc_expand``, which contracts the first index.
+
+    Args:
+        x: [T, n, d] residual streams, any float dtype.
+        params: the site's fn [(2+n)*n, n*d], base [(2+n)*n], scale [3] (fp32).
+        cfg: epsilons and Sinkhorn iteration count (>= 1).
+
+    Returns:
+        (pre [T, n], post [T, n], comb [T, n, n]), all fp32. See reference.py.
+    """
+    t, n, d = _check_streams(x, "mhc_coefficients")
+    rows = (2 + n) * n
+    if tuple(params.fn.shape) != (rows, n * d):
+        raise ValueError(f"mhc_coefficients: fn {tuple(params.fn.shape)} != ({rows}, {n * d}) for x {(t, n, d)}")
+    if tuple(params.base.shape) != (rows,):
+        raise ValueError(f"mhc_coefficients: base {tuple(params.base.shape)} != ({rows},)")
+    if tuple(params.scale.shape) != (3,):
+        raise ValueError(f"mhc_coefficients: scale {tuple(params.scale.shape)} != (3,)")
+    if cfg.sinkhorn_iters < 1:
+        raise ValueError(f"mhc_coefficients: sinkhorn_iters must be >= 1, got {cfg.sinkhorn_iters}")
+    return dispatch(
+        "mhc_coefficients",
+        x.device,
+        x,
+        params.fn,
+        params.base,
+        params.scale,
+        cfg.norm_eps,
+        cfg.hc_eps,
+        cfg.sinkhorn_iters,
+    )
+
+
+def mhc_collapse(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """u = sum_j weights[:, j] * x[:, j], accumulated in fp32.
+
+    Args:
+        x: [T, n, d] streams; weights: [T, n] (a site's ``pre``, V4.1's ``pre_mix``, or hc_head's).
+
+    Returns:
+        [T, d] in x.dtype.
+    """
+    t, n, _ = _check_streams(x, "mhc_collapse")
+    if tuple(weights.shape) != (t, n):
+        raise ValueError(f"mhc_collapse: weights {tuple(weights.shape)} != ({t}, {n})")
+    return dispatch("mhc_collapse", x.device, x, weights)
+
+
+def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * x[:, j], computed in fp32.
+
+    Note the contraction over the FIRST comb index (out = post ⊗ y + comb^T x).
+
+    Args:
+        x: [T, n, d] the site's input streams; y: [T, d] the sublayer output;
+        post: [T, n]; comb: [T, n, n] (from ``mhc_coefficients`` of the same site).
+
+    Returns:
+        [T, n, d] in x.dtype.
+    """
+    t, n, d = _check_streams(x, "mhc_expand")
+    if tuple(y.shape) != (t, d):
+        raise ValueError(f"mhc_expand: y {tuple(y.shape)} != ({t}, {d})")
+    if tuple(post.shape) != (t, n):
+        raise ValueError(f"mhc_expand: post {tuple(post.shape)} != ({t}, {n})")
+    if tuple(comb.shape) != (t, n, n):
+        raise ValueError(f"mhc_expand: comb {tuple(comb.shape)} != ({t}, {n}, {n})")
+    return dispatch("mhc_expand", x.device, x, y, post, comb)
+
+
+def mhc_head_weights(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """V4's final ``hc_head`` collapse weights: sigmoid(m * scale + base) + hc_eps with
+    m = (flat * rsqrt(mean(flat^2) + norm_eps)) @ fn^T (no post, no comb, no Sinkhorn).
+
+    Args:
+        x: [T, n, d]; fn: [n, n*d] (``hc_head_fn``); base: [n]; scale: [1] (all fp32).
+
+    Returns:
+        pre [T, n] fp32; the final hidden state is ``mhc_collapse(x, pre)``.
+    """
+    t, n, d = _check_streams(x, "mhc_head_weights")
+    if tuple(fn.shape) != (n, n * d):
+        raise ValueError(f"mhc_head_weights: fn {tuple(fn.shape)} != ({n}, {n * d})")
+    if tuple(base.shape) != (n,):
+        raise ValueError(f"mhc_head_weights: base {tuple(base.shape)} != ({n},)")
+    if scale.numel() != 1:
+        raise ValueError(f"mhc_head_weights: scale must have one element, got {tuple(scale.shape)}")
+    return dispatch("mhc_head_weights", x.device, x, fn, base, scale.reshape(1), norm_eps, hc_eps)
+
+
+def mhc_initial_pre_mix(num_tokens: int, hc_mult: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """V4.1's layer-0 ``pre_mix``: one-hot on stream 0, fp32 [T, n]."""
+    pre_mix = torch.zeros(num_tokens, hc_mult, dtype=torch.float32, device=device)
+    pre_mix[:, 0] = 1.0
+    return pre_mix
+
+
+def mhc_same_site_sublayer(
+    x: torch.Tensor,
+    f: Callable[[torch.Tensor], torch.Tensor],
+    params: MhcParams,
+    cfg: MhcConfig,
+) -> torch.Tensor:
+    """One V4 sublayer (attention or MoE) wrapped by its own mHC site (spec A.2):
+
+    (pre, post, comb) = coefficients(x); y = f(collapse(x, pre)); return expand(x, y, post, comb).
+    ``f`` maps [T, d] -> [T, d] and includes the sublayer's own RMSNorm. A V4 block is two calls,
+    attention then MoE, each with its own params.
+    """
+    pre, post, comb = mhc_coefficients(x, params, cfg)
+    y = f(mhc_collapse(x, pre))
+    return mhc_expand(x, y, post, comb)
+
+
+def mhc_lagged_layer(
+    x: torch.Tensor,
+    pre_mix: torch.Tensor,
+    f_attn: Callable[[torch.Tensor], torch.Tensor],
+    f_ffn: Callable[[torch.Tensor], torch.Tensor],
+    attn_params: MhcParams,
+    ffn_params: MhcParams,
+    cfg: MhcConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One V4.1 block with single-pass mHC (spec B.2): each site's ``pre`` feeds the NEXT site.
+
+    1. (p_a, q_a, C_a) = coefficients(x; attn_params)
+    2. y = f_attn(collapse(x, pre_mix));            x1 = expand(x, y, q_a, C_a)
+    3. (p_f, q_f, C_f) = coefficients(x1; ffn_params)
+    4. y' = f_ffn(collapse(x1, p_a));               x2 = expand(x1, y', q_f, C_f)
+    5. return (x2, p_f)   (p_f is the next layer's pre_mix; after the last layer the final hidden
+       state is collapse(x, pre_mix) - V4.1 has no hc_head)
+
+    Args:
+        x: [T, n, d]; pre_mix: [T, n] fp32 from the previous layer (``mhc_initial_pre_mix`` for
+            layer 0); f_attn / f_ffn: [T, d] -> [T, d], each including its RMSNorm.
+
+    Returns:
+        (x_out [T, n, d] in x.dtype, pre_mix_out [T, n] fp32).
+    """
+    p_a, q_a, c_a = mhc_coefficients(x, attn_params, cfg)
+    y = f_attn(mhc_collapse(x, pre_mix))
+    x1 = mhc_expand(x, y, q_a, c_a)
+    p_f, q_f, c_f = mhc_coefficients(x1, ffn_params, cfg)
+    y2 = f_ffn(mhc_collapse(x1, p_a))
+    x2 = mhc_expand(x1, y2, q_f, c_f)
+    return x2, p_f
+
+
+__all__ = [
+    "MhcConfig",
+    "MhcParams",
+    "mhc_coefficients",
+    "mhc_collapse",
+    "mhc_expand",
+    "mhc_head_weights",
+    "mhc_initial_pre_mix",
+    "mhc_lagged_layer",
+    "mhc_same_site_sublayer",
+]

@@ -1,0 +1,201 @@
+"""Mixture-of-experts: routers (top-k with selection bias, hash), the clamped SwiGLU, routed
+experts and the shared expert. Token-flat: x is [T, d].
+
+A DeepSeek V4 / V4.1 MoE layer is::
+
+    logits = x.float() @ gate.weight.float().T            # [T, E] fp32 (V4.1: / gate_temp)
+    w, ids = moe_route_topk(logits, gate.bias, k, route_scale=1.5)   # or moe_route_hash (V4 0-2)
+    out = moe_experts(x, ids, w, w13, w2, swiglu_limit=10.0) + swiglu_mlp(x, sw1, sw3, sw2, swiglu_limit=10.0)
+"""
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the references)
+from .reference import SCORING_FUNCS
+
+
+def _check_logits(logits: torch.Tensor, what: str) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"{what}: logits must be [T, E], got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"{what}: logits must be floating point, got {logits.dtype}")
+
+
+def _check_scoring(scoring: str, what: str) -> None:
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"{what}: unknown scoring {scoring!r}; expected one of {SCORING_FUNCS}")
+
+
+def moe_route_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    route_scale: float,
+    scoring: str = "sqrtsoftplus",
+    norm_topk: bool = True,
+    norm_eps: float = 1e-20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learned top-k routing (DeepSeek noaux_tc).
+
+    scores = score(logits) in fp32 with score = sqrt(softplus(.)) ("sqrtsoftplus", V4 / V4.1),
+    sigmoid ("sigmoid") or softmax over experts ("softmax"); experts = top_k of (scores + bias)
+    (the bias steers the selection only); weights = scores at the selected experts, divided by
+    (their sum + norm_eps) when ``norm_topk``, then times ``route_scale``.
+
+    Args:
+        logits: [T, E] router logits (fp32 recommended; upcast here).
+        bias: [E] selection bias (``gate.bias``; V4.1 image tokens: ``gate.bias_vl``) or None.
+        top_k: experts per token (1 <= top_k <= E).
+        route_scale: ``routed_scaling_factor`` (1.5 for V4 / V4.1).
+        norm_topk: ``norm_topk_prob`` (V4.1 reference: ``norm_topk_prob and top_k > 1``).
+        norm_eps: 1e-20 as transformers and V4.1; the V4 reference uses 0.
+
+    Returns:
+        (weights [T, top_k] fp32, experts [T, top_k] int64). The order of the k picks within a
+        row is unspecified (the reference returns them by descending biased score).
+    """
+    _check_logits(logits, "moe_route_topk")
+    _check_scoring(scoring, "moe_route_topk")
+    num_experts = logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"moe_route_topk: top_k={top_k} must be in [1, {num_experts}]")
+    if bias is not None and tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"moe_route_topk: bias {tuple(bias.shape)} != ({num_experts},)")
+    return dispatch(
+        "moe_route_topk",
+        logits.device,
+        logits,
+        bias,
+        top_k,
+        route_scale=route_scale,
+        scoring=scoring,
+        norm_topk=norm_topk,
+        norm_eps=norm_eps,
+    )
+
+
+def moe_route_hash(
+    logits: torch.Tensor,
+    tid2eid: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    route_scale: float,
+    scoring: str = "sqrtsoftplus",
+    norm_topk: bool = True,
+    norm_eps: float = 1e-20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (V4 layers 0-2): experts = tid2eid[input_ids]; no bias. The weights are the
+    learned scores gathered at those experts, normalised and scaled exactly as ``moe_route_topk``.
+
+    Args:
+        logits: [T, E]; tid2eid: [V, k] integer table (``gate.tid2eid``); input_ids: [T] integer.
+
+    Returns:
+        (weights [T, k] fp32, experts [T, k] int64, in table order). Token ids outside the table
+        or table entries outside [0, E) raise ValueError.
+    """
+    _check_logits(logits, "moe_route_hash")
+    _check_scoring(scoring, "moe_route_hash")
+    if tid2eid.dim() != 2 or tid2eid.is_floating_point():
+        raise ValueError(
+            f"moe_route_hash: tid2eid must be an integer [V, k] table, got {tid2eid.dtype}{tuple(tid2eid.shape)}"
+        )
+    if input_ids.dim() != 1 or input_ids.shape[0] != logits.shape[0] or input_ids.is_floating_point():
+        raise ValueError(
+            f"moe_route_hash: input_ids must be integer [T] with T = {logits.shape[0]}, got "
+            f"{input_ids.dtype}{tuple(input_ids.shape)}"
+        )
+    return dispatch(
+        "moe_route_hash",
+        logits.device,
+        logits,
+        tid2eid,
+        input_ids,
+        route_scale=route_scale,
+        scoring=scoring,
+        norm_topk=norm_topk,
+        norm_eps=norm_eps,
+    )
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (no clamps when limit is None).
+
+    The clamp is asymmetric: the gate is only capped from above. Returns fp32, shape of gate.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu_clamp: gate {tuple(gate.shape)} != up {tuple(up.shape)}")
+    return dispatch("swiglu_clamp", gate.device, gate, up, limit)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """Routed experts: out[t] = sum_i (w[t,i] * swiglu_clamp(x W_g^T, x W_u^T)) W2^T of expert
+    e = experts[t, i], in fp32 (routing weight applied before the down projection).
+
+    Args:
+        x: [T, d] any float dtype.
+        experts: [T, k] integer expert ids in [0, E) (out of range -> ValueError).
+        weights: [T, k] routing weights (fp32).
+        w13: [E, 2I, d]: rows 0..I-1 = gate (``w1``), rows I..2I-1 = up (``w3``).
+        w2: [E, d, I] down projection.
+        swiglu_limit: the clamp (10.0 for V4 / V4.1) or None.
+
+    Returns:
+        [T, d] in x.dtype. Only experts that were hit are computed.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"moe_experts: x must be [T, d], got {tuple(x.shape)}")
+    t, d = x.shape
+    if experts.dim() != 2 or experts.shape[0] != t or experts.is_floating_point():
+        raise ValueError(f"moe_experts: experts must be integer [{t}, k], got {experts.dtype}{tuple(experts.shape)}")
+    if tuple(weights.shape) != tuple(experts.shape):
+        raise ValueError(f"moe_experts: weights {tuple(weights.shape)} != experts {tuple(experts.shape)}")
+    if w13.dim() != 3 or w13.shape[2] != d or w13.shape[1] % 2:
+        raise ValueError(f"moe_experts: w13 must be [E, 2I, {d}], got {tuple(w13.shape)}")
+    e, two_i, _ = w13.shape
+    if tuple(w2.shape) != (e, d, two_i // 2):
+        raise ValueError(f"moe_experts: w2 {tuple(w2.shape)} != ({e}, {d}, {two_i // 2})")
+    return dispatch("moe_experts", x.device, x, experts, weights, w13, w2, swiglu_limit=swiglu_limit)
+
+
+def swiglu_mlp(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float | None
+) -> torch.Tensor:
+    """The shared expert: swiglu_clamp(x W1^T, x W3^T, limit) W2^T in fp32 (same clamps as the
+    routed experts).
+
+    Args:
+        x: [T, d]; w1, w3: [I, d] (gate, up); w2: [d, I].
+
+    Returns:
+        [T, d] in x.dtype.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"swiglu_mlp: x must be [T, d], got {tuple(x.shape)}")
+    d = x.shape[1]
+    if w1.dim() != 2 or w1.shape[1] != d or w3.shape != w1.shape:
+        raise ValueError(f"swiglu_mlp: w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must both be [I, {d}]")
+    if tuple(w2.shape) != (d, w1.shape[0]):
+        raise ValueError(f"swiglu_mlp: w2 {tuple(w2.shape)} != ({d}, {w1.shape[0]})")
+    return dispatch("swiglu_mlp", x.device, x, w1, w3, w2, swiglu_limit=swiglu_limit)
+
+
+__all__ = [
+    "SCORING_FUNCS",
+    "moe_experts",
+    "moe_route_hash",
+    "moe_route_topk",
+    "swiglu_clamp",
+    "swiglu_mlp",
+]
