@@ -4,6 +4,15 @@ reference that defines correct, plus GPU backends chosen through ``registry``.
 The op index (one import per public op):
 """
 
+from deepinfer_kernels.ops.engram import (
+    compressed_token_map,
+    engram_compress_ids,
+    engram_gate_inject,
+    engram_hash_ids,
+    engram_multipliers,
+    engram_next_history,
+    engram_table_primes,
+)
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
@@ -71,4 +80,11 @@ __all__ = [
     "e2m1_round",
     "fake_quant_fp8_ue8m0",
     "fake_quant_e2m1",
+    "compressed_token_map",
+    "engram_compress_ids",
+    "engram_gate_inject",
+    "engram_hash_ids",
+    "engram_multipliers",
+    "engram_next_history",
+    "engram_table_primes",
 ]

@@ -159,7 +159,7 @@ def write_tiny_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = tiny_v4_config(**(config or {}))
-    block = (128, 128)
+    block = (128, 128)  # V4-Flash FP8 weight blocks
     if quant != "none":
         raw["quantization_config"] = {
             "activation_scheme": "dynamic",
@@ -169,7 +169,6 @@ def write_tiny_checkpoint(
             "weight_block_size": list(block),
         }
         raw["expert_dtype"] = "fp4" if quant == "fp8+fp4" else "fp8"
-        block = tuple(raw["quantization_config"]["weight_block_size"])
     cfg = DeepseekV4Config.from_dict(raw)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
