@@ -16,6 +16,7 @@ from deepinfer_kernels.ops.engram import (
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
+from deepinfer_kernels.ops.linear import ROW_TILE, linear
 from deepinfer_kernels.ops.mhc import (
     MhcConfig,
     MhcParams,
@@ -87,4 +88,6 @@ __all__ = [
     "engram_multipliers",
     "engram_next_history",
     "engram_table_primes",
+    "linear",
+    "ROW_TILE",
 ]

@@ -92,15 +92,16 @@ def _ours_compress(mod, x, ratio, overlap, inv_freq, eps):
     return rope_interleaved(pooled, torch.arange(w) * ratio, inv_freq)
 
 
-@pytest.mark.parametrize("ratio", [8, 2])
+@pytest.mark.parametrize("ratio", [8, 2, 1])
 def test_hca_compressor_matches_transformers(ratio):
-    """Ratio 8 exercises HCA; ratio 2 with zero position bias is V4.1's ratio-2 owner compressor
-    (architecture.md section 6: the HCA compressor at rate 2 with no bias)."""
+    """Ratio 8 exercises HCA; ratios 2 and 1 with zero position bias are V4.1's KV-source compressors
+    (architecture.md section 6: the HCA compressor at rate 2 / 1 with no bias; at rate 1 the pool is the
+    identity, so the entry is norm(wkv x) as V4.1's ratio-1 compressor computes it)."""
     cfg = _cfg(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": ratio})
     g = torch.Generator().manual_seed(5)
     mod = hf.DeepseekV4HCACompressor(cfg)
     _randomize(mod, g)
-    if ratio == 2:
+    if ratio <= 2:
         mod.position_bias.data.zero_()
     mod.kv_norm.weight.data.copy_(1 + 0.1 * torch.randn(32, generator=g))
     x = torch.randn(1, 35, 64, generator=g)  # several full windows plus a remainder

@@ -53,8 +53,9 @@ def test_scores_match_transformers_scorer(dtype):
     assert actual.dtype == torch.float32 and actual.shape == (b, s, n)
     assert (actual > 0).any() and (actual < 0).any()  # weights of both signs exercised
     assert_rel_close(actual, expected, 1e-6, "indexer_scores vs DeepseekV4IndexerScorer")
-    # the reference runs the scorer's exact operation order, so on CPU it agrees bit for bit
-    assert torch.equal(reference("indexer_scores")(q, k, weights, DH**-0.5), expected)
+    # the reference runs the scorer's operation order, but its dot products and head sum are
+    # row-invariant reductions rather than the scorer's matmul, so it agrees to rounding, not bitwise
+    assert_rel_close(reference("indexer_scores")(q, k, weights, DH**-0.5), expected, 1e-6, "reference vs scorer")
 
 
 def test_scores_match_brute_force():

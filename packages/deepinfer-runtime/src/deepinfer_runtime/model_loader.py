@@ -36,11 +36,14 @@ def load_model(
     dtype: torch.dtype | str = torch.bfloat16,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    **v41_options,
 ) -> torch.nn.Module:
     """Load the model in ``path`` (config.json + safetensors) with weights dequantised to ``dtype``.
 
-    Supported architectures: ``DeepseekV4ForCausalLM``. The returned model has
-    ``forward_logits(input_ids [B, S]) -> float logits [B, S, V]``.
+    Supported architectures: ``DeepseekV4ForCausalLM`` and ``DeepseekV41ForCausalLM``. The returned model has
+    ``forward_logits(input_ids [B, S]) -> float logits [B, S, V]``. V4.1 options: ``fake_quant`` (the trained
+    KV quantisers; False makes them the identity), ``yoco_mode`` (off | mask | compact), ``yoco_keep_tokens``,
+    ``engram_device`` (where the Engram tables live).
     """
     path = Path(path)
     if not path.is_dir():
@@ -55,6 +58,8 @@ def load_model(
     arch = (raw.get("architectures") or ["DeepseekV4ForCausalLM"])[0]
     dtype = _dtype(dtype)
     if arch == "DeepseekV4ForCausalLM":
+        if v41_options:
+            raise ValueError(f"options {sorted(v41_options)} apply to DeepSeek-V4.1 only")
         from deepinfer_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM
         from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
         from deepinfer_runtime.models.deepseek_v4_weights import model_param_for, v4_inventory
@@ -67,4 +72,70 @@ def load_model(
             model, v4_inventory(cfg), ckpt, cfg.quant, model_param_for, ignore_prefixes=("mtp.",), progress=progress
         )
         return model.to(device).eval()
-    raise ConfigError(f"{config_file}: architecture {arch!r} is not supported (have: DeepseekV4ForCausalLM)")
+    if arch == "DeepseekV41ForCausalLM":
+        return _load_v41(path, dtype, device, progress, **v41_options)
+    raise ConfigError(
+        f"{config_file}: architecture {arch!r} is not supported (have: DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)"
+    )
+
+
+def _load_v41(
+    path: Path,
+    dtype: torch.dtype,
+    device,
+    progress: bool,
+    fake_quant: bool = True,
+    yoco_mode: str | None = None,
+    yoco_keep_tokens: int | None = None,
+    engram_device: str | None = None,
+):
+    """V4.1: decode every tensor except the Engram tables, which keep their stored format on
+    ``engram_device`` (default: host memory when the model goes to an accelerator, else the model device)."""
+    from deepinfer_kernels.ops.engram import compressed_token_map
+    from tqdm import tqdm
+
+    from deepinfer_runtime.loader.weights import check_inventory, decode_tensor, load_engram_table
+    from deepinfer_runtime.models.deepseek_v4_weights import model_param_for
+    from deepinfer_runtime.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
+    from deepinfer_runtime.models.deepseek_v41_weights import ENGRAM_TABLE, v41_inventory
+
+    cfg = DeepseekV41Config.from_file(path / "config.json")
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.exists():
+        raise CheckpointError(f"{path}: no tokenizer.json (V4.1's Engram hashes compressed token ids built from it)")
+    ckpt = SafetensorsDir(path)
+    inventory = v41_inventory(cfg)
+    # vision weights may be absent from text-only checkpoints; image inputs are refused by the model
+    check_inventory(inventory, ckpt, ignore_prefixes=("vision.", "aligner.", "image_"))
+    model = DeepseekV41ForCausalLM(
+        cfg, dtype=dtype, fake_quant=fake_quant, yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens
+    )
+    params = dict(model.named_parameters())
+    table_device = torch.device(engram_device or ("cpu" if torch.device(device).type != "cpu" else device))
+    for spec in tqdm(inventory, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        if spec.role == ENGRAM_TABLE:
+            rows, scale = load_engram_table(spec, ckpt, cfg.quant)
+            if table_device.type == "cpu" and torch.cuda.is_available():
+                rows = rows.pin_memory()
+                scale = scale.pin_memory() if scale is not None else None
+            module = model.get_submodule(spec.name.rsplit(".", 2)[0])  # layers.L.engram
+            module.set_table(rows.to(table_device), None if scale is None else scale.to(table_device))
+            continue
+        target_name, expert, half = model_param_for(spec.name)
+        target = params[target_name]
+        value = decode_tensor(spec, ckpt, cfg.quant, target.dtype)
+        if expert is not None:
+            target = target[expert]
+            if half is not None:
+                target = target[half * value.shape[0] : (half + 1) * value.shape[0]]
+        target.copy_(value)
+    token_map = compressed_token_map(tokenizer, expected_size=cfg.engram_compressed_vocab_size)
+    if token_map.shape[0] != cfg.vocab_size:
+        raise CheckpointError(f"{tokenizer}: {token_map.shape[0]} token ids, config vocab_size {cfg.vocab_size}")
+    model.engram_token_map.copy_(token_map)
+    engram_tables = {n: (m.rows, m.scale) for n, m in model.named_modules() if hasattr(m, "set_table")}
+    model = model.to(device).eval()
+    for name, (rows, scale) in engram_tables.items():  # .to(device) must not move the tables
+        model.get_submodule(name).set_table(rows, scale)
+    return model

@@ -17,7 +17,6 @@ compressors run per request on that request's ``SequenceCache``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from deepinfer_kernels import (
     MhcConfig,
     MhcParams,
@@ -25,6 +24,7 @@ from deepinfer_kernels import (
     indexer_scores,
     indexer_topk,
     kv_compress_pool,
+    linear,
     mhc_collapse,
     mhc_head_weights,
     mhc_same_site_sublayer,
@@ -49,14 +49,14 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype."""
+    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype, row-invariant."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class Norm(nn.Module):
@@ -95,8 +95,8 @@ class Compressor(nn.Module):
         # NOTE: projections in fp32 as the DeepSeek reference does (transformers runs them in the
         # model dtype; identical in fp32, and fp32 is what the model was trained with).
         xf = x.float()
-        kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        kv = linear(xf, self.wkv.weight.float())
+        score = linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
         kv, score = _cat(state.pending_kv, kv), _cat(state.pending_score, score)
         usable = kv.shape[0] // self.ratio * self.ratio
         state.pending_kv, state.pending_score = kv[usable:], score[usable:]
@@ -221,7 +221,7 @@ class Gate(nn.Module):
             self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         kw = dict(
             route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func, norm_topk=self.cfg.norm_topk_prob
         )
@@ -333,7 +333,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             hc_eps=self.cfg.hc_eps,
         )
         h = self.norm(mhc_collapse(x, pre))
-        return F.linear(h.float(), self.head.weight.float()).view(b, s, -1)
+        return linear(h.float(), self.head.weight.float()).view(b, s, -1)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""

@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from deepinfer_kernels.ops._elementwise import sigmoid
 from deepinfer_kernels.registry import register_reference
 
 from .vocab import DEAD
@@ -59,7 +60,8 @@ def engram_gate_inject_ref(
     xn = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # per stream, not jointly
     kn = kf * torch.rsqrt(kf.square().mean(-1, keepdim=True) + eps)
     dot = (xn * w.float() * kn).sum(-1) / math.sqrt(d)  # [..., n]
-    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+    # the row-invariant sigmoid: torch.sigmoid's bits depend on the other rows in the call (CPU)
+    gate = sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     if image_mask is not None:
         gate = gate.masked_fill(image_mask.to(torch.bool).unsqueeze(-1), 0.0)
     return (xf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)

@@ -19,14 +19,37 @@ def _selectable(scores: torch.Tensor, visible: torch.Tensor, mask: torch.Tensor 
     return keep & ~scores.isnan()
 
 
+# bytes of the fp32 [queries, keys, H, Dh] product held at once by ``indexer_scores_ref``
+_SCORES_CHUNK_BYTES = 64 << 20
+
+
 @register_reference("indexer_scores")
 def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    # Same operation order as the trained model (and transformers' V4 scorer): per-head dot
-    # products in fp32, ReLU, times the softmax scale, times the per-head weight, sum over heads.
-    # [B, S, H, Dh] @ [B, 1, Dh, N] -> [B, S, H, N]
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1))
-    logits = torch.relu(logits) * softmax_scale
-    return (logits * weights.float().unsqueeze(-1)).sum(dim=2)
+    # The trained model's operation order (transformers' V4 scorer): per-head dot products in fp32,
+    # ReLU, times the softmax scale, times the per-head weight, sum over heads. Unlike the scorer's
+    # matmul, the dot products are elementwise products summed over Dh, and the head sum a sum over
+    # a contiguous last dim: both are reductions over one output's own values with a fixed length,
+    # so a score's bits depend only on its query row and its key - not on how many queries or keys
+    # (keys grow during decode) are in the call, nor on the chunking below (bounded memory).
+    b, s, h, dh = q.shape
+    n = k.shape[1]
+    out = torch.empty(b, s, n, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    qf, kf, wf = q.float(), k.float(), weights.float()
+    pair_bytes = 4 * h * max(dh, 1)  # one (query, key) slice of the product
+    keys_per_chunk = min(n, max(1, _SCORES_CHUNK_BYTES // pair_bytes))
+    queries_per_chunk = max(1, _SCORES_CHUNK_BYTES // (pair_bytes * keys_per_chunk))
+    for bi in range(b):
+        for s0 in range(0, s, queries_per_chunk):
+            qc = qf[bi, s0 : s0 + queries_per_chunk]  # [sq, H, Dh]
+            wc = wf[bi, s0 : s0 + queries_per_chunk].unsqueeze(1)  # [sq, 1, H]
+            for n0 in range(0, n, keys_per_chunk):
+                kc = kf[bi, n0 : n0 + keys_per_chunk]  # [nk, Dh]
+                logits = (qc.unsqueeze(1) * kc[None, :, None, :]).sum(dim=-1)  # [sq, nk, H]
+                logits = torch.relu(logits) * softmax_scale
+                out[bi, s0 : s0 + queries_per_chunk, n0 : n0 + keys_per_chunk] = (logits * wc).sum(dim=-1)
+    return out
 
 
 @register_reference("indexer_topk")

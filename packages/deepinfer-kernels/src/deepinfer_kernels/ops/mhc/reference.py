@@ -4,11 +4,17 @@ Everything that produces a coefficient runs in fp32; the collapse and expand con
 accumulate in fp32 and cast to the stream dtype once. The operation order follows
 transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` so fp32 results agree to
 rounding (unweighted RMSNorm of the flattened streams, then the linear map).
+
+Row-invariant in fp32 on the CPU: every token's coefficients depend only on that token (the
+linear map is the tiled ``linear_ref``, the sigmoid the row-invariant one of ``_elementwise``;
+the rest is per-token elementwise work, reductions over one token's own values, and ``matmul``
+batched over tokens with a fixed per-token shape).
 """
 
 import torch
-import torch.nn.functional as F
 
+from deepinfer_kernels.ops._elementwise import sigmoid
+from deepinfer_kernels.ops.linear.reference import linear_ref
 from deepinfer_kernels.registry import register_reference
 
 
@@ -16,7 +22,7 @@ def _normed_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.T
     """[T, n, d] -> fp32 [T, rows(fn)]: unweighted RMSNorm over the flattened n*d, then @ fn^T."""
     flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2]).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(flat, fn.float())
+    return linear_ref(flat, fn.float())
 
 
 @register_reference("mhc_coefficients")
@@ -36,8 +42,8 @@ def mhc_coefficients_ref(
     b_pre, b_post, b_comb = base.split([n, n, n * n])
     s_pre, s_post, s_comb = scale.float().unbind(0)
 
-    pre = torch.sigmoid(m_pre * s_pre + b_pre) + hc_eps
-    post = 2 * torch.sigmoid(m_post * s_post + b_post)
+    pre = sigmoid(m_pre * s_pre + b_pre) + hc_eps
+    post = 2 * sigmoid(m_post * s_post + b_post)
 
     # comb logits L[t, j, k] = m_comb[t, j*n + k] * s + b[j*n + k]: row j = input stream j
     logits = m_comb.reshape(-1, n, n) * s_comb + b_comb.reshape(n, n)
@@ -73,4 +79,4 @@ def mhc_head_weights_ref(
     hc_eps: float,
 ) -> torch.Tensor:
     mixes = _normed_mixes(x, fn, norm_eps)
-    return torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return sigmoid(mixes * scale.float() + base.float()) + hc_eps

@@ -3,11 +3,17 @@
 Routing is fp32 throughout. Experts compute in fp32 (weights upcast per expert), multiply the
 routing weight into the SwiGLU activation before the down projection (DeepSeek reference
 order), accumulate the k expert outputs in fp32 and cast to x.dtype once.
+
+Row-invariant in fp32 on the CPU: every projection is the tiled ``linear_ref`` (a token's bits do
+not depend on how many other tokens hit the same expert), the activations (softplus, sigmoid,
+silu) are the row-invariant ones of ``_elementwise``, and a token's expert outputs are added
+in a fixed order of its own (ascending expert id, then slot), whatever the other tokens route to.
 """
 
 import torch
-import torch.nn.functional as F
 
+from deepinfer_kernels.ops._elementwise import sigmoid, silu, softplus
+from deepinfer_kernels.ops.linear.reference import linear_ref
 from deepinfer_kernels.registry import register_reference
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -16,9 +22,9 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     logits = logits.float()
     if scoring == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return softplus(logits).sqrt()
     if scoring == "sigmoid":
-        return torch.sigmoid(logits)
+        return sigmoid(logits)
     if scoring == "softmax":
         return torch.softmax(logits, dim=-1)
     raise ValueError(f"unknown MoE scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
@@ -80,7 +86,7 @@ def swiglu_clamp_ref(gate: torch.Tensor, up: torch.Tensor, limit: float | None) 
     if limit is not None:
         gate = gate.clamp(max=limit)  # one-sided on the gate
         up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+    return silu(gate) * up
 
 
 @register_reference("moe_experts")
@@ -115,11 +121,12 @@ def moe_experts_ref(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        w_e = w13[e].float()
-        gate_up = xf[tokens] @ w_e.t()
+        gate_up = linear_ref(xf[tokens], w13[e].float())
         h = swiglu_clamp_ref(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
         h = h * wf[pairs].unsqueeze(-1)  # routing weight before the down projection
-        out.index_add_(0, tokens, h @ w2[e].float().t())
+        # experts are visited in ascending id and the pairs of one expert in (token, slot) order, so
+        # each token sums its own k outputs in a fixed order (one exact add per element each)
+        out.index_add_(0, tokens, linear_ref(h, w2[e].float()))
     return out.to(x.dtype)
 
 
@@ -128,5 +135,5 @@ def swiglu_mlp_ref(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float | None
 ) -> torch.Tensor:
     xf = x.float()
-    h = swiglu_clamp_ref(xf @ w1.float().t(), xf @ w3.float().t(), swiglu_limit)
-    return (h @ w2.float().t()).to(x.dtype)
+    h = swiglu_clamp_ref(linear_ref(xf, w1.float()), linear_ref(xf, w3.float()), swiglu_limit)
+    return linear_ref(h, w2.float()).to(x.dtype)

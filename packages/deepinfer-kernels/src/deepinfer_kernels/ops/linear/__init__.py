@@ -1,0 +1,37 @@
+"""Row-invariant dense linear map ``y = x W^T`` (no bias): the matrix multiply every other
+reference builds on, so that a full forward and an incremental decode agree bit for bit."""
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the reference)
+from .reference import ROW_TILE
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y[..., n] = sum_k x[..., k] * weight[n, k], computed in x.dtype.
+
+    Contract: each output row depends only on its own input row (row-invariant), bitwise, for a
+    given weight: the result for a row is the same whatever other rows are in the call (their
+    number, their order, how a sequence is chunked), so a full forward and an incremental decode
+    agree exactly. Backends must keep this property (batch-invariant mode); plain
+    ``F.linear`` on the CPU does not (its result for a row changes with the number of rows).
+
+    Args:
+        x: [..., K] any float dtype (flattened to rows; any number of leading dims, or none).
+        weight: [N, K], cast to x.dtype before the product (pass an fp32 x with an fp32 weight
+            for an fp32 computation; a bf16 weight with an fp32 x is upcast, exactly).
+
+    Returns:
+        [..., N] in x.dtype. Empty inputs give empty outputs. The reference computes in fixed
+        tiles of ``ROW_TILE`` rows (the last tile zero-padded); see reference.py.
+    """
+    if weight.dim() != 2 or x.dim() < 1 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit ([..., K] x [N, K])")
+    if not x.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"linear: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+    return dispatch("linear", x.device, x, weight)
+
+
+__all__ = ["ROW_TILE", "linear"]

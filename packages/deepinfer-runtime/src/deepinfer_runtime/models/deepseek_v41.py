@@ -1,0 +1,760 @@
+"""DeepSeek-V4.1-Flash (``DeepseekV41ForCausalLM``), text model and DSpark draft head, from the
+deepinfer-kernels ops. The incremental path: per-request caches, chunked prefill, decode, YOCO truncation.
+
+Reading order: Engram -> attention (window, compressor, indexer) -> MoE -> block -> DSpark -> model.
+``deepseek_v41_reference.py`` is the slow full-recompute definition of correct; both call the same
+row-invariant primitives defined here, so they agree bitwise in float32.
+
+Parameter names are the released checkpoint's (``layers.2.attn.compressor.wgate.weight``), except that
+routed experts are stacked (``ffn.experts.w13`` / ``.w2``) and Engram tables keep their stored format
+(``engram.rows`` FP8 or bf16 + ``engram.scale`` E8M0) and are dequantised per gathered row.
+
+Numerics (model_v41_decisions.md, oracle_notes.md): norms, RoPE, mHC, router, SwiGLU in fp32; ratio-2
+compressor projections in fp32, ratio-1 in the model dtype; LM head in fp32. The model's trained
+quantisers are applied where the caches store them (window KV FP8/32 UE8M0; compressed KV E2M1/16 with
+E4M3 scales; index keys and indexer queries E2M1/32 UE8M0); ``fake_quant=False`` turns them into the
+identity (tests that separate logic errors from rounding flips).
+
+YOCO (decisions Y1-Y5): layers >= ``n_prefill_layer`` are the decoder. During a prefill chunk with
+truncation ``mask`` or ``compact`` and floor f = L - keep (L = prompt length), decoder rows see window
+keys in [max(p - W + 1, f), p]; ``compact`` also skips decoder rows p < f (their logits are NaN), while
+the boundary layer's compressor still consumes every row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from deepinfer_kernels import (
+    MhcConfig,
+    MhcParams,
+    candidate_block_mask,
+    engram_gate_inject,
+    engram_hash_ids,
+    engram_next_history,
+    fake_quant_e2m1,
+    fake_quant_fp8_ue8m0,
+    fp8_block_dequantize,
+    grouped_linear,
+    indexer_scores,
+    indexer_topk,
+    kv_compress_pool,
+    linear,
+    mhc_collapse,
+    mhc_initial_pre_mix,
+    mhc_lagged_layer,
+    moe_experts,
+    moe_route_topk,
+    rms_norm,
+    rope_interleaved,
+    rope_inv_freq,
+    sparse_mqa_attention,
+    swiglu_mlp,
+)
+from deepinfer_kernels.ops.engram import engram_multipliers
+from torch import nn
+
+from deepinfer_runtime.models.deepseek_v4 import Experts, SharedExpert, _param
+from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
+
+TRUNCATION_MODES = ("off", "mask", "compact")
+
+
+class Linear(nn.Module):
+    """``weight`` [out, in] under the checkpoint's name; y = x W^T, row-invariant (deepinfer_kernels.linear)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param(dim, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-request state
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class SourceState:
+    """What a KV source publishes: entries [N, D] (RoPE'd, quantised), index keys [N, Dh], and the
+    ratio-2 compressor tail (fp32 projections of the incomplete group)."""
+
+    entries: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    tail_kv: torch.Tensor | None = None
+    tail_score: torch.Tensor | None = None
+
+    @property
+    def num_entries(self) -> int:
+        return 0 if self.entries is None else self.entries.shape[0]
+
+
+@dataclass
+class V41SequenceCache:
+    """One request's state: window tails per layer, source states, Engram lookback, DSpark context rows.
+
+    windows[l]: [<= W-1, D] newest window latents of layer l (positions seq_len - len .. seq_len - 1);
+    in compact YOCO mode decoder layers hold only rows at or after the floor.
+    dspark_ctx[s]: [<= W, D] newest DSpark stage-s context keys (positions ctx_end - len .. ctx_end - 1).
+    """
+
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[int, SourceState] = field(default_factory=dict)
+    engram_history: torch.Tensor | None = None
+    dspark_ctx: dict[int, torch.Tensor] = field(default_factory=dict)
+    ctx_end: int = 0
+    seq_len: int = 0
+
+
+@dataclass
+class StepRows:
+    """The rows of one request inside a token-flat step (rows = slice into the flat tensors)."""
+
+    rows: slice
+    positions: torch.Tensor  # [S] absolute positions
+    cache: V41SequenceCache
+    yoco_floor: int | None  # decoder window floor for this prefill chunk (None: no truncation)
+
+
+def _kept_rows(steps: list[StepRows]) -> tuple[torch.Tensor, list[StepRows]]:
+    """Compact YOCO: the flat mask of rows at or after each request's floor, and the re-sliced steps."""
+    keep = torch.cat([st.positions >= (st.yoco_floor or 0) for st in steps])
+    kept, start = [], 0
+    for st in steps:
+        pos = st.positions[st.positions >= (st.yoco_floor or 0)]
+        kept.append(StepRows(slice(start, start + pos.numel()), pos, st.cache, st.yoco_floor))
+        start += pos.numel()
+    return keep, kept
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Engram
+# ----------------------------------------------------------------------------------------------------------
+class Engram(nn.Module):
+    """n-gram hash memory (spec 5): 24 table rows per token -> keys for 4 streams + one value, gated in.
+
+    The table stays in its stored format (FP8 rows + E8M0 per-32 scales, or bf16) on ``table_device`` and
+    only the gathered rows are dequantised, so a 100 GB table can live in (pinned) host memory.
+    """
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.index = cfg.engram_layer_ids.index(layer)
+        n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.head_dim, self.hidden, self.hc = cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult
+        self.wkv = Linear(n_cols * cfg.engram_head_dim, (cfg.hc_mult + 1) * cfg.hidden_size, dtype)
+        self.q_weight = _param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
+        self.k_weight = _param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
+        self.rows: torch.Tensor | None = None  # [R, head_dim] float8_e4m3fn or float
+        self.scale: torch.Tensor | None = None  # [R, head_dim / 32] float8_e8m0fnu or None
+        primes = cfg.engram_primes[self.index]
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.long), persistent=False)
+        mult = engram_multipliers(layer, cfg.engram_compressed_vocab_size, cfg.engram_max_ngram_size)
+        self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.long), persistent=False)
+
+    def set_table(self, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
+        self.rows, self.scale = rows, scale
+
+    def gather(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """ids [T, C] row ids -> dequantised rows [T, C * head_dim]."""
+        flat = ids.reshape(-1).to(self.rows.device)
+        rows = self.rows[flat]
+        if self.scale is not None:
+            rows = fp8_block_dequantize(rows, self.scale[flat], (1, 32), out_dtype=torch.float32)
+        return rows.to(device=device, dtype=dtype).view(ids.shape[0], -1)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, n, d] streams, ids [T, 24] -> streams with the gated value added (fp32 gate)."""
+        kv = self.wkv(self.gather(ids, x.dtype, x.device)).view(-1, self.hc + 1, self.hidden)
+        w = self.q_weight.float() * self.k_weight.float()
+        return engram_gate_inject(x, kv[:, : self.hc], kv[:, self.hc], w, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------------------
+class Compressor(nn.Module):
+    """KV-source compressor: ratio 2 pools token pairs with a softmax gate (fp32), ratio 1 projects each token."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim, dtype)
+        if ratio > 1:
+            self.wgate = Linear(cfg.hidden_size, cfg.head_dim, dtype)
+        self.norm = Norm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Ratio 2: fp32 (kv, score) per token; ratio 1: the normed latent per token (model dtype)."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), None
+        xf = x.float()
+        return linear(xf, self.wkv.weight.float()), linear(xf, self.wgate.weight.float())
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """kv, score [G, ratio, D] fp32 -> normed latents [G, D] in ``dtype``."""
+        return self.norm(kv_compress_pool(kv, score).to(dtype))
+
+
+class Indexer(nn.Module):
+    """Index-source indexer: queries (+ keys on KV sources) and the per-head weights."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
+        if cfg.has_compressor(layer):
+            self.wk = Linear(cfg.head_dim, self.head_dim, dtype)
+            self.k_norm = Norm(self.head_dim, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """Window attention plus, on ratio > 0 layers, the selected entries of the layer's KV source (spec 3)."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, fake_quant: bool):
+        super().__init__()
+        self.cfg, self.layer, self.fake_quant = cfg, layer, fake_quant
+        self.ratio = cfg.compress_ratio(layer)
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, dtype)
+        self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype)
+        self.attn_sink = _param(self.n_heads, dtype=torch.float32)
+        is_stage = layer >= cfg.num_hidden_layers
+        self.kv_source = None if is_stage or self.ratio == 0 else cfg.kv_source_of(layer)
+        self.index_source = None if is_stage or self.ratio == 0 else cfg.index_source_of(layer)
+        if self.kv_source == layer:
+            self.compressor = Compressor(cfg, self.ratio, dtype)
+        if self.index_source == layer:
+            self.indexer = Indexer(cfg, layer, dtype)
+        cand = cfg.candidate_source_layer_id
+        self.is_candidate_source = cand is not None and layer == cand
+        # re-index layers reading the candidate source's KV restrict their top-k to its candidate blocks
+        self.uses_candidates = (
+            cand is not None and self.index_source == layer and self.kv_source == cand and layer != cand
+        )
+        base = cfg.rope_theta if self.ratio == 0 else cfg.compress_rope_theta
+        yarn = None if self.ratio == 0 else cfg.yarn
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, base, yarn), persistent=False)
+
+    # --- row-invariant primitives, shared with the reference model -------------------------------------
+    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, d] -> (q_lat [S, q_lora_rank], q [S, H, D] rotated). V4.1 has no per-head q norm."""
+        qr = self.q_norm(self.wq_a(x))
+        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, self.inv_freq)
+        return qr, q
+
+    def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored."""
+        kv = rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        return fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant else kv
+
+    def publish(self, latent: torch.Tensor, group_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE compressed latents [G, D] at their first-token positions -> (entries, index keys)."""
+        entry = rope_interleaved(latent, group_pos, self.inv_freq)
+        ix = self.indexer
+        key = rope_interleaved(ix.k_norm(ix.wk(latent)), group_pos, self.inv_freq)
+        if self.fake_quant:
+            entry, key = fake_quant_e2m1(entry, 16, "e4m3"), fake_quant_e2m1(key, 32, "ue8m0")
+        return entry, key
+
+    def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
+        """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]."""
+        ix = self.indexer
+        qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, self.inv_freq)
+        if self.fake_quant:
+            qi = fake_quant_e2m1(qi, 32, "ue8m0")
+        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        return indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5)[0]
+
+    def select(self, scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
+        """Top-k entry ids [S, index_topk] (ascending, -1 padded to a fixed width) among visible entries."""
+        visible = ((pos + 1) // self.ratio)[None]
+        picked = indexer_topk(scores[None], visible, self.indexer.topk, None if cand is None else cand[None])[0]
+        return F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
+
+    def candidates(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        visible = ((pos + 1) // self.ratio)[None]
+        cfg = self.cfg
+        return candidate_block_mask(scores[None], visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)[0]
+
+    def window_ids(self, pos: torch.Tensor, first: int, floor: int | None) -> torch.Tensor:
+        """Row ids [S, W] into a window buffer whose row 0 holds position ``first``; -1 where invisible."""
+        key_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=pos.device)
+        low = 0 if floor is None else floor
+        return torch.where(key_pos >= max(low, first), key_pos - first, -1)
+
+    def attend(self, q, kv_rows, entries, win_ids, picked, pos) -> torch.Tensor:
+        """Softmax with sinks over [window | selected entries], inverse RoPE, grouped output -> [S, d]."""
+        if entries is None:
+            kv_all, idx = kv_rows, win_ids
+        else:
+            kv_all = torch.cat([kv_rows, entries.to(kv_rows.dtype)])
+            idx = torch.cat([win_ids, torch.where(picked >= 0, picked + kv_rows.shape[0], -1)], dim=1)
+        o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
+        o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
+        o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
+        return self.wo_b(o.flatten(1))
+
+    # --- incremental driver ------------------------------------------------------------------------------
+    def feed_compressor(self, x: torch.Tensor, pos: torch.Tensor, src: SourceState) -> None:
+        """Append the chunk's rows to this KV source; publish every completed group."""
+        kv, score = self.compressor.project(x)
+        r = self.ratio
+        if r == 1:
+            latent, group_pos = kv, pos
+        else:
+            kv, score = _cat(src.tail_kv, kv), _cat(src.tail_score, score)
+            usable = kv.shape[0] // r * r
+            src.tail_kv, src.tail_score = kv[usable:], score[usable:]
+            if not usable:
+                return
+            latent = self.compressor.pool(
+                kv[:usable].view(-1, r, kv.shape[-1]), score[:usable].view(-1, r, kv.shape[-1]), x.dtype
+            )
+            group_pos = (torch.arange(latent.shape[0], device=x.device) + src.num_entries) * r
+        entry, key = self.publish(latent, group_pos)
+        src.entries, src.keys = _cat(src.entries, entry), _cat(src.keys, key)
+
+    def forward_chunk(self, x, x_comp, pos, pos_comp, cache: V41SequenceCache, floor, shared: dict):
+        """One request's rows: x [S, d] normed inputs at ``pos``; x_comp/pos_comp the compressor's rows
+        (all rows of the chunk, also in compact YOCO mode). ``shared`` carries top-k / candidates from
+        sources to consumers within this step."""
+        if self.kv_source == self.layer:
+            self.feed_compressor(x_comp, pos_comp, cache.sources.setdefault(self.layer, SourceState()))
+        if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
+            return x.new_zeros(0, self.cfg.hidden_size)
+        qr, q = self.query(x, pos)
+        kv = self.window_kv(x, pos)
+        old = cache.windows.get(self.layer)
+        rows = _cat(old, kv)
+        first = int(pos[0]) - (0 if old is None else old.shape[0])
+        cache.windows[self.layer] = rows[-(self.window - 1) :] if self.window > 1 else rows[:0]
+        if self.ratio == 0:
+            return self.attend(q, rows, None, self.window_ids(pos, first, floor), None, pos)
+        src = cache.sources[self.kv_source]
+        entries = src.entries if src.entries is not None else x.new_zeros(0, self.head_dim)
+        if self.index_source == self.layer:
+            keys = src.keys if src.keys is not None else x.new_zeros(0, self.cfg.index_head_dim)
+            scores = self.index_scores(x, qr, pos, keys)
+            cand = shared.get("candidates") if self.uses_candidates else None
+            if self.is_candidate_source:
+                shared["candidates"] = self.candidates(scores, pos)
+            shared[("topk", self.layer)] = self.select(scores, pos, cand)
+        picked = shared[("topk", self.index_source)]
+        return self.attend(q, rows, entries, self.window_ids(pos, first, floor), picked, pos)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoE and block
+# ----------------------------------------------------------------------------------------------------------
+class Gate(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, n_experts: int, top_k: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.top_k = cfg, top_k
+        self.weight = _param(n_experts, cfg.hidden_size, dtype=dtype)
+        self.bias = _param(n_experts, dtype=torch.float32)
+        self.bias_vl = _param(n_experts, dtype=torch.float32)  # image-span tokens (vision: not built yet)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear(x.float(), self.weight.float()) / self.cfg.gate_temp
+        return moe_route_topk(
+            logits,
+            self.bias,
+            self.top_k,
+            route_scale=self.cfg.routed_scaling_factor,
+            scoring=self.cfg.scoring_func,
+            norm_topk=self.cfg.norm_topk_prob and self.top_k > 1,
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, n_experts: int, top_k: int, dtype: torch.dtype):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.gate = Gate(cfg, n_experts, top_k, dtype)
+        self.experts = Experts(_ExpertShape(n_experts, cfg.moe_intermediate_size, cfg.hidden_size), dtype)
+        self.shared_experts = SharedExpert(_ExpertShape(n_experts, cfg.moe_intermediate_size, cfg.hidden_size), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        routed = moe_experts(x, experts, weights, self.experts.w13, self.experts.w2, swiglu_limit=self.limit)
+        s = self.shared_experts
+        return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
+
+
+@dataclass(frozen=True)
+class _ExpertShape:
+    """The three sizes V4's Experts / SharedExpert read from a config."""
+
+    n_routed_experts: int
+    moe_intermediate_size: int
+    hidden_size: int
+
+
+class Block(nn.Module):
+    """Backbone layer or DSpark stage: [Engram] -> attention site -> FFN site, single-pass mHC (spec 6)."""
+
+    def __init__(
+        self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, fake_quant: bool, n_experts: int, top_k: int
+    ):
+        super().__init__()
+        n, d = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.layer = layer
+        self.attn_norm = Norm(d, cfg.rms_norm_eps)
+        self.ffn_norm = Norm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, dtype, fake_quant)
+        self.ffn = MoE(cfg, n_experts, top_k, dtype)
+        if layer < cfg.num_hidden_layers and cfg.is_engram_layer(layer):
+            self.engram = Engram(cfg, layer, dtype)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _param(mix, n * d, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", _param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", _param(3, dtype=torch.float32))
+        self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+    def mhc(self, site: str) -> MhcParams:
+        return MhcParams(
+            getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
+        )
+
+    def run(self, x, pre_mix, attn_fn):
+        """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]."""
+        return mhc_lagged_layer(
+            x,
+            pre_mix,
+            lambda u: attn_fn(self.attn_norm(u)),
+            lambda u: self.ffn(self.ffn_norm(u)),
+            self.mhc("attn"),
+            self.mhc("ffn"),
+            self.hc,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DSpark draft head
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class DraftBlock:
+    """One drafted block per request: tokens [B, N], confidences [B, N] fp32, logprobs [B, N, V] fp32."""
+
+    tokens: torch.Tensor
+    confidences: torch.Tensor
+    logprobs: torch.Tensor
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Module()
+        self.embed.weight = _param(cfg.vocab_size, cfg.dspark_markov_rank, dtype=dtype)
+        self.head = Linear(cfg.dspark_markov_rank, cfg.vocab_size, dtype)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype):
+        super().__init__()
+        self.proj = Linear(cfg.hidden_size + cfg.dspark_markov_rank, 1, dtype)
+
+
+class DSparkStage(Block):
+    """One DSpark stage (spec 8 / decisions procedure D): a window-only block over the stage's context
+    rows plus the block rows (non-causal inside the block)."""
+
+    def __init__(self, cfg: DeepseekV41Config, stage: int, dtype: torch.dtype, fake_quant: bool):
+        super().__init__(
+            cfg,
+            cfg.num_hidden_layers + stage,
+            dtype,
+            fake_quant,
+            cfg.dspark_n_routed_experts,
+            cfg.dspark_num_experts_per_tok,
+        )
+        d = cfg.hidden_size
+        if stage == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype)
+            self.main_norm = Norm(d, cfg.rms_norm_eps)
+        if stage == cfg.num_nextn_predict_layers - 1:
+            self.norm = Norm(d, cfg.rms_norm_eps)
+            self.markov_head = MarkovHead(cfg, dtype)
+            self.confidence_head = ConfidenceHead(cfg, dtype)
+
+    def block_attention(self, x: torch.Tensor, *, pos: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """x [N, d] normed block rows at ``pos``; ctx [C, D] context keys before pos[0] (C <= W)."""
+        a = self.attn
+        _, q = a.query(x, pos)
+        kv = torch.cat([ctx, a.window_kv(x, pos)])
+        n = x.shape[0]
+        # every block row sees all context rows and all block rows: fixed width W + N, -1 padded
+        ctx_ids = torch.arange(a.window, device=x.device) - (a.window - ctx.shape[0])
+        ids = torch.cat([ctx_ids.clamp(min=-1), ctx.shape[0] + torch.arange(n, device=x.device)])
+        ids = torch.where(torch.cat([ctx_ids >= 0, torch.ones(n, dtype=torch.bool, device=x.device)]), ids, -1)
+        return a.attend(q, kv, None, ids[None].expand(n, -1), None, pos)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------
+def yoco_settings(mode: str | None, keep: int | None) -> tuple[str, int]:
+    """Engine arguments win; otherwise DeepInfer's environment variables; otherwise compact / 140
+    (DeepInfer's documented V4.1 serving default, decisions Y1-Y2)."""
+    mode = mode if mode is not None else os.environ.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    if mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"YOCO truncation mode {mode!r} (DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE) must be one of {TRUNCATION_MODES}"
+        )
+    if keep is None:
+        raw = os.environ.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "140")
+        try:
+            keep = int(raw)
+        except ValueError:
+            raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={raw!r} is not an integer") from None
+    return mode, keep
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The V4.1-Flash text backbone (40 layers in the release) plus the DSpark draft head. Logits are fp32."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        dtype: torch.dtype = torch.bfloat16,
+        fake_quant: bool = True,
+        yoco_mode: str | None = None,
+        yoco_keep_tokens: int | None = None,
+        max_backtracking_tokens: int = 6,
+    ):
+        super().__init__()
+        yoco_mode, yoco_keep_tokens = yoco_settings(yoco_mode, yoco_keep_tokens)
+        if yoco_mode != "off" and yoco_keep_tokens < cfg.sliding_window + max_backtracking_tokens:
+            raise ValueError(
+                f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS / yoco_keep_tokens = {yoco_keep_tokens} must be >= sliding window "
+                f"{cfg.sliding_window} + backtracking {max_backtracking_tokens} (decisions Y2)"
+            )
+        self.cfg, self.dtype, self.fake_quant = cfg, dtype, fake_quant
+        self.yoco_mode, self.yoco_keep = yoco_mode, yoco_keep_tokens
+        d = cfg.hidden_size
+        self.embed = nn.Module()
+        self.embed.weight = _param(cfg.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, dtype, fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = Norm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size, dtype)
+        self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
+        self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+
+    def new_cache(self) -> V41SequenceCache:
+        return V41SequenceCache()
+
+    # --- shared pieces -----------------------------------------------------------------------------------
+    def engram_ids(self, ids: torch.Tensor, history: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """Hash ids [S, 24] per Engram layer for one request's chunk ``ids`` [S]."""
+        compressed = self.engram_token_map[ids][None]
+        pad = int(self.engram_token_map[self.cfg.engram_pad_token_id])
+        out = {}
+        for block in self.layers:
+            if hasattr(block, "engram"):
+                e = block.engram
+                out[block.layer] = engram_hash_ids(compressed, history, e.multipliers, e.primes, pad)[0]
+        return out
+
+    def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """Final collapse with the last FFN pre, norm, fp32 head: [T, V]."""
+        h = self.norm(mhc_collapse(x, pre_mix))
+        return linear(h.float(), self.head.weight.float())
+
+    def dspark_feature(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """Stream means entering the tap layers [T, d] each -> main_norm(main_proj(concat)) [T, d]."""
+        s0 = self.mtp[0]
+        return s0.main_norm(s0.main_proj(torch.cat(taps, dim=-1)))
+
+    # --- incremental forward -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, caches: list[V41SequenceCache], prompt_lens: list[int] | None = None
+    ) -> torch.Tensor:
+        """Run input_ids [B, S] as the next S tokens of B requests; logits [B, S, V] fp32.
+
+        ``prompt_lens`` (per request, for prefill chunks) turns on YOCO truncation as configured: decoder
+        windows are floored at prompt_len - keep; in compact mode decoder rows before the floor are not
+        computed and their logits are NaN. Caches advance by S.
+        """
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if (input_ids == cfg.image_token_id).any():
+            raise ValueError(
+                f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
+            )
+        if len(caches) != b:
+            raise ValueError(f"need one cache per request: {len(caches)} caches for batch {b}")
+        dev = input_ids.device
+        steps = []
+        for i, c in enumerate(caches):
+            floor = None
+            if self.yoco_mode != "off" and prompt_lens is not None and prompt_lens[i] is not None:
+                floor = max(prompt_lens[i] - self.yoco_keep, 0)
+            steps.append(
+                StepRows(slice(i * s, (i + 1) * s), torch.arange(c.seq_len, c.seq_len + s, device=dev), c, floor)
+            )
+        ids = input_ids.reshape(-1)
+        engram = [self.engram_ids(input_ids[i], st.cache.engram_history) for i, st in enumerate(steps)]
+        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
+        shared = [dict() for _ in steps]
+        taps: dict[int, torch.Tensor] = {}
+        keep = torch.ones(x.shape[0], dtype=torch.bool, device=dev)
+        comp_inputs, comp_rows = None, None
+        for block in self.layers:
+            layer = block.layer
+            if layer == cfg.n_prefill_layer and self.yoco_mode == "compact" and any(st.yoco_floor for st in steps):
+                # the boundary layer's compressor reads every row; everything else runs on kept rows only
+                comp_inputs, comp_rows = block.attn_norm(mhc_collapse(x, pre_mix)), steps
+                keep, steps = _kept_rows(steps)
+                x, pre_mix = x[keep], pre_mix[keep]
+            if hasattr(block, "engram"):
+                e_ids = torch.cat([engram[i][layer] for i in range(len(steps))])
+                x = block.engram(x, e_ids)
+            if layer in cfg.dspark_target_layer_ids:
+                taps[layer] = x.float().mean(dim=1).to(x.dtype)
+
+            boundary = comp_inputs is not None and layer == cfg.n_prefill_layer
+            comp = (comp_inputs, comp_rows) if boundary else None
+            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
+        out = torch.full((b * s, cfg.vocab_size), float("nan"), device=dev)
+        out[keep] = self.logits(x, pre_mix)
+        if self.mtp and taps:
+            feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
+            for st in steps:
+                self._write_dspark_context(feats[st.rows], st.positions, st.cache)
+        for i, st in enumerate(caches):
+            st.engram_history = engram_next_history(
+                self.engram_token_map[input_ids[i]][None], st.engram_history, cfg.engram_max_ngram_size
+            )
+            st.seq_len += s
+        return out.view(b, s, -1)
+
+    def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp):
+        """The attention sublayer over a token-flat step: each request's rows against its own cache.
+        ``comp`` = (inputs, rows) of the boundary compressor in compact YOCO mode, else None."""
+        decoder = block.layer >= self.cfg.n_prefill_layer
+
+        def attn_fn(u: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for j, st in enumerate(steps):
+                xc, pc = (
+                    (u[st.rows], st.positions) if comp is None else (comp[0][comp[1][j].rows], comp[1][j].positions)
+                )
+                floor = st.yoco_floor if decoder else None
+                outs.append(block.attn.forward_chunk(u[st.rows], xc, st.positions, pc, st.cache, floor, shared[j]))
+            return torch.cat(outs)
+
+        return attn_fn
+
+    def _write_dspark_context(self, feat: torch.Tensor, pos: torch.Tensor, cache: V41SequenceCache) -> None:
+        """Each stage's context key for target rows ``pos`` (spec procedure D step 1)."""
+        for k, stage in enumerate(self.mtp):
+            kv = stage.attn.window_kv(feat, pos)
+            old = cache.dspark_ctx.get(k)
+            cache.dspark_ctx[k] = _cat(old, kv)[-stage.attn.window :]
+        if pos.numel():
+            cache.ctx_end = int(pos[-1]) + 1
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        anchors: torch.Tensor,
+        caches: list[V41SequenceCache],
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        confidence_temperature: float = 1.0,
+    ) -> DraftBlock:
+        """Draft N = dspark_block_size tokens after each request's anchor (the token at position seq_len).
+
+        Block rows [anchor, noise x (N-1)] at positions a .. a+N-1 attend to each stage's context rows
+        a-W .. a-1 and to each other; drafts are sampled one by one with the Markov bias (greedy when
+        ``temperature`` is 0). Returns tokens, confidences c_k = sigmoid(clamp(w.[h_k; W1[x_{k-1}]] / T, +-60))
+        and the processed draft log-distributions.
+        """
+        cfg = self.cfg
+        if not self.mtp:
+            raise ValueError("this checkpoint has no DSpark head (num_nextn_predict_layers = 0)")
+        n = cfg.dspark_block_size
+        out_tok, out_conf, out_lp = [], [], []
+        for anchor, cache in zip(anchors.tolist(), caches):
+            a = cache.seq_len
+            if cache.ctx_end != a:
+                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
+            pos = torch.arange(a, a + n, device=anchors.device)
+            ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (n - 1), device=anchors.device)
+            x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+            pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, anchors.device)
+            for k, stage in enumerate(self.mtp):
+                ctx = cache.dspark_ctx.get(k, x.new_zeros(0, cfg.head_dim))
+                x, pre_mix = stage.run(x, pre_mix, partial(stage.block_attention, pos=pos, ctx=ctx))
+            last = self.mtp[-1]
+            h = mhc_collapse(x, pre_mix)  # pre-norm hidden per block row
+            base = linear(last.norm(h).float(), self.head.weight.float())
+            w1 = last.markov_head.embed.weight
+            prev, toks, confs, lps = anchor, [], [], []
+            for k in range(n):
+                m = w1[prev].float()
+                logits_k = base[k] + linear(m[None], last.markov_head.head.weight.float())[0]
+                feat = torch.cat([h[k].float(), m])
+                c = linear(feat[None], last.confidence_head.proj.weight.float())[0, 0] / confidence_temperature
+                confs.append(torch.sigmoid(c.clamp(-60, 60)))
+                lp = torch.log_softmax(logits_k / max(temperature, 1e-5), dim=-1)
+                if temperature == 0:
+                    prev = int(lp.argmax())
+                else:
+                    prev = int(torch.multinomial(lp.exp(), 1, generator=generator))
+                toks.append(prev)
+                lps.append(lp)
+            out_tok.append(toks)
+            out_conf.append(torch.stack(confs))
+            out_lp.append(torch.stack(lps))
+        return DraftBlock(torch.tensor(out_tok, device=anchors.device), torch.stack(out_conf), torch.stack(out_lp))
+
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full forward of input_ids [B, S] from position 0 (no truncation): float logits [B, S, V]."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer tensor [batch, seq]; got {input_ids.dtype}{tuple(input_ids.shape)}"
+            )
+        bad = (input_ids < 0) | (input_ids >= self.cfg.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(input_ids[bad][0])} outside the vocabulary [0, {self.cfg.vocab_size})")
+        mode, self.yoco_mode = self.yoco_mode, "off"
+        try:
+            return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
+        finally:
+            self.yoco_mode = mode
+
+
+__all__ = ["DeepseekV41ForCausalLM", "V41SequenceCache", "DraftBlock", "TRUNCATION_MODES"]
