@@ -91,3 +91,33 @@ __all__ = [
     "linear",
     "ROW_TILE",
 ]
+
+from deepinfer_kernels.ops.sampling import (  # noqa: E402
+    DRAFT_SEED_OFFSET,
+    SAMPLING_EPS,
+    accept_uniforms,
+    apply_penalties,
+    draw_tokens,
+    log_softmax_rows,
+    process_logits,
+    processed_logprobs,
+    sample_tokens,
+    sampling_uniforms,
+    seed_to_int64,
+    topk_logprobs,
+)
+
+__all__ += [
+    "DRAFT_SEED_OFFSET",
+    "SAMPLING_EPS",
+    "accept_uniforms",
+    "apply_penalties",
+    "draw_tokens",
+    "log_softmax_rows",
+    "process_logits",
+    "processed_logprobs",
+    "sample_tokens",
+    "sampling_uniforms",
+    "seed_to_int64",
+    "topk_logprobs",
+]

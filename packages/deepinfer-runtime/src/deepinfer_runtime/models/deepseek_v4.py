@@ -40,8 +40,9 @@ from deepinfer_kernels import (
 )
 from torch import nn
 
+from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
-from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -307,33 +308,61 @@ class DeepseekV4ForCausalLM(nn.Module):
     def new_cache(self) -> SequenceCache:
         return SequenceCache.empty(self.cfg.num_hidden_layers)
 
+    def cache_layout(self) -> CacheLayout:
+        return v4_cache_layout(self.cfg, self.dtype)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
-        """Run input_ids [B, S] as the next S tokens of B requests; return logits [B, S, V] fp32.
+        """Run input_ids [B, S] as the next S tokens of B requests; logits [B, S, V] fp32.
 
         Each request's cache advances by S; a fresh cache makes this a full forward.
         """
-        b, s = input_ids.shape
-        if len(caches) != b:
-            raise ValueError(f"need one cache per request: {len(caches)} caches for batch {b}")
-        positions = [torch.arange(c.seq_len, c.seq_len + s, device=input_ids.device) for c in caches]
-        ids = input_ids.reshape(-1)
+        if input_ids.dim() != 2 or len(caches) != input_ids.shape[0]:
+            raise ValueError(
+                f"need input_ids [B, S] and one cache per request; got {tuple(input_ids.shape)}, {len(caches)} caches"
+            )
+        return torch.stack(self.forward_step(list(input_ids), caches))
+
+    @torch.no_grad()
+    def forward_step(
+        self,
+        chunks: list[torch.Tensor],
+        caches: list[SequenceCache],
+        prompt_lens: list[int | None] | None = None,
+        logit_rows: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """One engine step: request i runs its next ``chunks[i]`` tokens ([S_i] int64; lengths may differ).
+
+        Returns per request the fp32 logits [n_i, V] of ``logit_rows[i]`` (offsets into the chunk; None =
+        every row). ``prompt_lens`` is accepted for interface parity with V4.1 (V4 has no truncation).
+        """
+        if len(caches) != len(chunks):
+            raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
+        dev = self.embed.weight.device
+        positions = [torch.arange(c.seq_len, c.seq_len + ch.shape[0], device=dev) for c, ch in zip(caches, chunks)]
+        ids = torch.cat(chunks).to(dev)
         x = self.embed.weight[ids]
         x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             x = layer(x, ids, positions, [c.layers[i] for c in caches])
-        for c in caches:
-            c.seq_len += s
-        pre = mhc_head_weights(
-            x,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            norm_eps=self.cfg.rms_norm_eps,
-            hc_eps=self.cfg.hc_eps,
-        )
-        h = self.norm(mhc_collapse(x, pre))
-        return linear(h.float(), self.head.weight.float()).view(b, s, -1)
+        outs, start = [], 0
+        for j, (c, ch) in enumerate(zip(caches, chunks)):
+            rows = torch.arange(start, start + ch.shape[0], device=dev)
+            start += ch.shape[0]
+            c.seq_len += ch.shape[0]
+            if logit_rows is not None and logit_rows[j] is not None:
+                rows = rows[logit_rows[j].to(dev)]
+            xr = x[rows]
+            pre = mhc_head_weights(
+                xr,
+                self.hc_head_fn,
+                self.hc_head_base,
+                self.hc_head_scale,
+                norm_eps=self.cfg.rms_norm_eps,
+                hc_eps=self.cfg.hc_eps,
+            )
+            outs.append(linear(self.norm(mhc_collapse(xr, pre)).float(), self.head.weight.float()))
+        return outs
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""
@@ -345,3 +374,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         if bad.any():
             raise ValueError(f"token id {int(input_ids[bad][0])} outside the vocabulary [0, {self.cfg.vocab_size})")
         return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
+
+
+def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype) -> CacheLayout:
+    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``)."""
+    e = torch.finfo(dtype).bits // 8
+    w, d, dh = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
+    r_csa, r_hca = cfg.compress_rates[CSA], cfg.compress_rates[HCA]
+    n_csa, n_hca = kinds.count(CSA), kinds.count(HCA)
+    # pending rows (ratio - 1) of kv + score, plus CSA's carried A-halves (ratio rows of kv + score), fp32
+    csa_state = ((r_csa - 1) * 2 * 2 * d + r_csa * 2 * d) * 4 + ((r_csa - 1) * 2 * 2 * dh + r_csa * 2 * dh) * 4
+    hca_state = (r_hca - 1) * 2 * d * 4
+    return CacheLayout(
+        (
+            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1) * d * e),
+            CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),
+            CacheKind("index keys (CSA)", n_csa * dh * e / r_csa, 0),
+            CacheKind("compressed KV (HCA)", n_hca * d * e / r_hca, 0),
+            CacheKind("compressor state (fp32)", 0, n_csa * csa_state + n_hca * hca_state),
+        )
+    )

@@ -58,6 +58,7 @@ from deepinfer_kernels import (
 from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
+from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.models.deepseek_v4 import Experts, SharedExpert, _param
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 
@@ -573,6 +574,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     def new_cache(self) -> V41SequenceCache:
         return V41SequenceCache()
 
+    def cache_layout(self) -> CacheLayout:
+        return v41_cache_layout(self.cfg, self.dtype)
+
     # --- shared pieces -----------------------------------------------------------------------------------
     def engram_ids(self, ids: torch.Tensor, history: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """Hash ids [S, 24] per Engram layer for one request's chunk ``ids`` [S]."""
@@ -600,37 +604,57 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, caches: list[V41SequenceCache], prompt_lens: list[int] | None = None
     ) -> torch.Tensor:
-        """Run input_ids [B, S] as the next S tokens of B requests; logits [B, S, V] fp32.
+        """Run input_ids [B, S] as the next S tokens of B requests; logits [B, S, V] fp32 (see ``forward_step``)."""
+        if input_ids.dim() != 2 or len(caches) != input_ids.shape[0]:
+            raise ValueError(
+                f"need input_ids [B, S] and one cache per request; got {tuple(input_ids.shape)}, {len(caches)} caches"
+            )
+        return torch.stack(self.forward_step(list(input_ids), caches, prompt_lens))
 
-        ``prompt_lens`` (per request, for prefill chunks) turns on YOCO truncation as configured: decoder
-        windows are floored at prompt_len - keep; in compact mode decoder rows before the floor are not
-        computed and their logits are NaN. Caches advance by S.
+    @torch.no_grad()
+    def forward_step(
+        self,
+        chunks: list[torch.Tensor],
+        caches: list[V41SequenceCache],
+        prompt_lens: list[int | None] | None = None,
+        logit_rows: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """One engine step: request i runs its next ``chunks[i]`` tokens ([S_i] int64, S_i may differ and
+        may be 0). Returns per request the fp32 logits [n_i, V] of ``logit_rows[i]`` (offsets into the chunk;
+        None = every row). Caches advance by S_i.
+
+        ``prompt_lens[i]`` (set for prefill chunks) turns on YOCO truncation as configured: decoder windows
+        are floored at prompt_len - keep; in compact mode decoder rows before the floor are not computed
+        and their logits are NaN.
         """
         cfg = self.cfg
-        b, s = input_ids.shape
-        if (input_ids == cfg.image_token_id).any():
-            raise ValueError(
-                f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
-            )
-        if len(caches) != b:
-            raise ValueError(f"need one cache per request: {len(caches)} caches for batch {b}")
-        dev = input_ids.device
-        steps = []
-        for i, c in enumerate(caches):
+        if len(caches) != len(chunks):
+            raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
+        for ids in chunks:
+            if (ids == cfg.image_token_id).any():
+                raise ValueError(
+                    f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
+                )
+        dev = self.embed.weight.device
+        steps, start = [], 0
+        for i, (ids, c) in enumerate(zip(chunks, caches)):
             floor = None
             if self.yoco_mode != "off" and prompt_lens is not None and prompt_lens[i] is not None:
                 floor = max(prompt_lens[i] - self.yoco_keep, 0)
+            n = ids.shape[0]
             steps.append(
-                StepRows(slice(i * s, (i + 1) * s), torch.arange(c.seq_len, c.seq_len + s, device=dev), c, floor)
+                StepRows(slice(start, start + n), torch.arange(c.seq_len, c.seq_len + n, device=dev), c, floor)
             )
-        ids = input_ids.reshape(-1)
-        engram = [self.engram_ids(input_ids[i], st.cache.engram_history) for i, st in enumerate(steps)]
+            start += n
+        ids = torch.cat(chunks).to(dev)
+        engram = [self.engram_ids(chunk.to(dev), st.cache.engram_history) for chunk, st in zip(chunks, steps)]
         x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
         shared = [dict() for _ in steps]
         taps: dict[int, torch.Tensor] = {}
         keep = torch.ones(x.shape[0], dtype=torch.bool, device=dev)
         comp_inputs, comp_rows = None, None
+        all_steps = steps
         for block in self.layers:
             layer = block.layer
             if layer == cfg.n_prefill_layer and self.yoco_mode == "compact" and any(st.yoco_floor for st in steps):
@@ -643,22 +667,34 @@ class DeepseekV41ForCausalLM(nn.Module):
                 x = block.engram(x, e_ids)
             if layer in cfg.dspark_target_layer_ids:
                 taps[layer] = x.float().mean(dim=1).to(x.dtype)
-
             boundary = comp_inputs is not None and layer == cfg.n_prefill_layer
             comp = (comp_inputs, comp_rows) if boundary else None
             x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
-        out = torch.full((b * s, cfg.vocab_size), float("nan"), device=dev)
-        out[keep] = self.logits(x, pre_mix)
+        # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
+        flat_of_kept = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
+        flat_of_kept[keep] = torch.arange(int(keep.sum()), device=dev)
+        outs = []
+        for i, st in enumerate(all_steps):
+            rows = torch.arange(st.rows.start, st.rows.stop, device=dev)
+            if logit_rows is not None and logit_rows[i] is not None:
+                rows = rows[logit_rows[i].to(dev)]
+            kept_rows = flat_of_kept[rows]
+            out = torch.full((rows.numel(), cfg.vocab_size), float("nan"), device=dev)
+            ok = kept_rows >= 0
+            if ok.any():
+                out[ok] = self.logits(x[kept_rows[ok]], pre_mix[kept_rows[ok]])
+            outs.append(out)
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for st in steps:
                 self._write_dspark_context(feats[st.rows], st.positions, st.cache)
-        for i, st in enumerate(caches):
-            st.engram_history = engram_next_history(
-                self.engram_token_map[input_ids[i]][None], st.engram_history, cfg.engram_max_ngram_size
+        for chunk, st in zip(chunks, all_steps):
+            c = st.cache
+            c.engram_history = engram_next_history(
+                self.engram_token_map[chunk.to(dev)][None], c.engram_history, cfg.engram_max_ngram_size
             )
-            st.seq_len += s
-        return out.view(b, s, -1)
+            c.seq_len += chunk.shape[0]
+        return outs
 
     def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp):
         """The attention sublayer over a token-flat step: each request's rows against its own cache.
@@ -758,3 +794,21 @@ class DeepseekV41ForCausalLM(nn.Module):
 
 
 __all__ = ["DeepseekV41ForCausalLM", "V41SequenceCache", "DraftBlock", "TRUNCATION_MODES"]
+
+
+def v41_cache_layout(cfg: DeepseekV41Config, dtype: torch.dtype) -> CacheLayout:
+    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``; the
+    packed GPU records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``)."""
+    e = torch.finfo(dtype).bits // 8
+    w, d, dh = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    sources = [(layer, cfg.compress_ratio(layer)) for layer in cfg.kv_source_layer_ids]
+    return CacheLayout(
+        (
+            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1) * d * e),
+            CacheKind("compressed KV", sum(d * e / r for _, r in sources), 0),
+            CacheKind("index keys", sum(dh * e / r for _, r in sources), 0),
+            CacheKind("compressor tails (fp32)", 0, sum((r - 1) * 2 * d * 4 for _, r in sources)),
+            CacheKind("Engram lookback", 0, (cfg.engram_max_ngram_size - 1) * 8 if cfg.engram_layer_ids else 0),
+            CacheKind("DSpark context", 0, cfg.num_nextn_predict_layers * w * d * e),
+        )
+    )

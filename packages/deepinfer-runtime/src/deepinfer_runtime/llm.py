@@ -1,0 +1,279 @@
+"""``LLM``: the offline API (vLLM's shape). Build once, then ``generate`` or ``chat`` in batches.
+
+from deepinfer_runtime import LLM, SamplingParams
+llm = LLM(model="/path/to/DeepSeek-V4.1-Flash")          # no model: a cached tiny random V4.1 checkpoint
+outs = llm.generate(["Hello", "def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from deepinfer_runtime.engine.kv_cache import BlockAllocator, CacheBudget
+from deepinfer_runtime.engine.llm_engine import LLMEngine
+from deepinfer_runtime.engine.model_runner import ModelRunner
+from deepinfer_runtime.engine.request import Request
+from deepinfer_runtime.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_runtime.model_loader import load_model
+from deepinfer_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_runtime.sampler import Sampler, child_seed, derive_request_seed
+from deepinfer_runtime.sampling_params import SamplingParams
+from deepinfer_runtime.tokenizer import Tokenizer
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def default_model_dir(arch: str = "v4.1") -> Path:
+    """The built-in tiny random checkpoint (real tokenizer), written once under $DEEPINFER_CACHE."""
+    from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    root = Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
+    path = root / f"tiny-{arch}-flash-fp8-fp4-seed0"
+    if not (path / "config.json").exists():
+        print(
+            f"[deepinfer] no model given: building a tiny random DeepSeek-{arch.upper()}-Flash checkpoint at {path}",
+            file=sys.stderr,
+        )
+        tmp = path.with_suffix(".tmp")
+        write_tiny_checkpoint(tmp, arch, "fp8+fp4", seed=0)
+        tmp.rename(path)
+    else:
+        print(f"[deepinfer] no model given: using the tiny random checkpoint at {path}", file=sys.stderr)
+    return path
+
+
+class LLM:
+    """An offline engine over one model.
+
+    Args:
+        model: checkpoint directory (config.json, safetensors, tokenizer.json); None = built-in tiny V4.1.
+        dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16".
+        device: "cpu", "cuda", ... (default: cuda when available).
+        max_num_seqs: cap on running requests per step.
+        max_num_batched_tokens: token budget per step (chunked prefill mixes with decodes under it).
+        max_model_len: longest prompt + output (default: min(model limit, 32768)).
+        gpu_memory_utilization / kv_cache_memory: the KV budget as a fraction of device memory, or bytes.
+        enable_prefix_caching: accepted for vLLM compatibility; prefix reuse is not implemented yet.
+        seed: derives the sampling stream of requests that set no seed of their own.
+        block_size: tokens per KV block.
+        yoco_mode / yoco_keep_tokens / fake_quant: V4.1 model options (see ``load_model``).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        block_size: int = 16,
+        yoco_mode: str | None = None,
+        yoco_keep_tokens: int | None = None,
+        fake_quant: bool = True,
+        log_stats: bool = True,
+    ):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if gpu_memory_utilization is not None and kv_cache_memory is not None:
+            raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype == "auto":
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        path = Path(model) if model is not None else default_model_dir()
+        self.model_path = path
+        arch_opts: dict[str, Any] = {}
+        if _architecture(path) == "DeepseekV41ForCausalLM":
+            arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
+        self.model = load_model(path, dtype=dtype, device=self.device, **arch_opts)
+        self.tokenizer = Tokenizer(path)
+        cfg = self.model.cfg
+        limit = min(cfg.max_position_embeddings, 32768)
+        self.max_model_len = max_model_len or limit
+        if not 1 < self.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in (1, {cfg.max_position_embeddings}], got {max_model_len}")
+        budget_bytes = self._kv_budget(gpu_memory_utilization, kv_cache_memory)
+        self.budget = CacheBudget(self.model.cache_layout(), budget_bytes, max_num_seqs, block_size)
+        if log_stats:
+            print(f"[deepinfer] KV cache accounting ({self.model.dtype}):\n{self.budget.summary()}", file=sys.stderr)
+        blocks = BlockAllocator(self.budget.num_blocks, block_size)
+        sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len), blocks)
+        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+        self.eos = {int(e) for e in eos if e is not None}
+        self.engine = LLMEngine(
+            sched, ModelRunner(self.model, Sampler(self.eos), self.device), self.tokenizer, self.eos
+        )
+        self.seed, self.enable_prefix_caching = seed, enable_prefix_caching
+        self._next_request = 0
+
+    def _kv_budget(self, utilization: float | None, explicit: int | None) -> int:
+        if explicit is not None:
+            if not isinstance(explicit, int) or explicit <= 0:
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {explicit!r}")
+            return explicit
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free - (1 - (utilization or 0.9)) * total)
+        return _DEFAULT_CPU_KV_BYTES
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_bos=True) if prompt else []
+        return None, [int(t) for t in prompt]
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run (None when it can)."""
+        if not ids:
+            return "empty prompt"
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
+        if len(ids) >= self.max_model_len:
+            return f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if need > self.budget.num_tokens:
+            return f"prompt + max_tokens needs {need} tokens of KV cache; the budget holds {self.budget.num_tokens}"
+        return None
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order. A prompt that cannot run (empty, too long, ...) gets
+        an output with ``error`` set and ``finish_reason == "error"``; the others run normally."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        groups: dict[int, list[Request]] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, not SamplingParams")
+            text, ids = self._prompt_ids(prompt)
+            rid = str(self._next_request)
+            base_seed = sp.seed if sp.seed is not None else derive_request_seed(self.seed, self._next_request)
+            self._next_request += 1
+            problem = self._check_prompt(ids, sp)
+            if problem is not None:
+                print(f"[deepinfer] request {rid} rejected: {problem}", file=sys.stderr)
+                outputs[i] = RequestOutput(
+                    rid, text, ids, [CompletionOutput(0, "", [], None, None, "error")], error=problem
+                )
+                continue
+            groups[i] = []
+            for k in range(sp.n):
+                req = Request(f"{rid}" if sp.n == 1 else f"{rid}-{k}", text, ids, sp, child_seed(base_seed, k))
+                groups[i].append(req)
+                self.engine.add_request(req)
+        total = sum(len(g) for g in groups.values())
+        start = time.perf_counter()
+        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm, leave=False)
+        done = 0
+        while self.engine.scheduler.has_unfinished:
+            finished = self.engine.step()
+            done += len(finished)
+            bar.update(len(finished))
+        bar.close()
+        elapsed = time.perf_counter() - start
+        for i, reqs in groups.items():
+            outputs[i] = _to_output(reqs)
+        if use_tqdm and total:
+            n_in = sum(r.num_prompt_tokens for g in groups.values() for r in g)
+            n_out = sum(len(r.output_token_ids) for g in groups.values() for r in g)
+            print(
+                f"[deepinfer] {total} requests in {elapsed:.2f} s: {n_in / elapsed:,.1f} input tok/s, "
+                f"{n_out / elapsed:,.1f} output tok/s, {self.engine.num_steps} engine steps so far",
+                file=sys.stderr,
+            )
+        return outputs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        thinking: bool | None = None,
+        reasoning_effort: str | int | None = None,
+        use_tqdm: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Chat completions with the model's own chat encoding (DeepSeek V4 / V4.1, thinking modes)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [
+            self.tokenizer.encode_chat(conv, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools)
+            for conv in conversations
+        ]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+
+
+def _architecture(path: Path) -> str | None:
+    import json
+
+    try:
+        return (json.loads((path / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None  # load_model reports the problem with the right error
+
+
+def _to_output(reqs: list[Request]) -> RequestOutput:
+    first = reqs[0]
+    completions = []
+    for k, r in enumerate(reqs):
+        completions.append(
+            CompletionOutput(
+                index=k,
+                text=r.output_text,
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+                logprobs=r.logprobs if r.params.logprobs is not None else None,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            )
+        )
+    ttft = None if first.first_token_time is None else first.first_token_time - first.arrival_time
+    decode = None
+    if first.finish_time is not None and first.first_token_time is not None and len(first.output_token_ids) > 1:
+        span = first.finish_time - first.first_token_time
+        decode = (len(first.output_token_ids) - 1) / span if span > 0 else None
+    metrics = RequestMetrics(
+        first.arrival_time,
+        first.first_token_time,
+        first.finish_time,
+        ttft,
+        decode,
+        first.num_cached_tokens,
+        sum(r.num_preemptions for r in reqs),
+    )
+    request_id = first.request_id.rsplit("-", 1)[0] if len(reqs) > 1 else first.request_id
+    return RequestOutput(
+        request_id, first.prompt, first.prompt_token_ids, completions, True, metrics, first.num_cached_tokens
+    )

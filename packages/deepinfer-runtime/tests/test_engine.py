@@ -1,0 +1,132 @@
+"""The engine end to end: continuous batching, chunked prefill, mixed steps and preemption must not
+change a single greedy token, and seeded sampling must not depend on the batch."""
+
+import pytest
+import torch
+from deepinfer_runtime import LLM, SamplingParams
+from deepinfer_runtime.models.deepseek_v41_reference import reference_forward
+from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+LENGTHS = [1, 2, 3, 5, 8, 13, 17, 21, 30, 34, 47, 55, 64, 77, 89, 120]  # 16 prompts of very different lengths
+NEW = 6
+
+
+def _prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 129000, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def v41_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "v41", "v4.1", "fp8+fp4", seed=1)
+
+
+def _small_llm(path, **kw):
+    # 24-token steps force chunked prefill and mixed prefill/decode steps; the KV budgets below (6 request slots
+    # + 20 blocks = 160 tokens of growth) fit the largest request alone but not all of them: preemption happens
+    opts = dict(dtype="float32", device="cpu", max_num_seqs=6, max_num_batched_tokens=24, block_size=8, log_stats=False)
+    opts.update(kw)
+    return LLM(model=path, **opts)
+
+
+def test_v41_greedy_batch_equals_reference_alone(v41_dir):
+    llm = _small_llm(v41_dir, yoco_mode="off", kv_cache_memory=960_000)
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the budget should have forced preemption"
+    model = llm.model
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        for _ in range(NEW):
+            logits = reference_forward(model, torch.tensor([seq]))
+            seq.append(int(logits[0, -1].argmax()))
+        assert out.outputs[0].token_ids == seq[len(prompt) :], f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_v4_greedy_batch_equals_transformers_alone(tiny_v4_dirs):
+    from transformers import DeepseekV4ForCausalLM
+
+    path = tiny_v4_dirs["mixed"]
+    llm = _small_llm(path, kv_cache_memory=153_000)
+    prompts = _prompts(seed=1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the budget should have forced preemption"
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :]
+        assert out.outputs[0].token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(v41_dir):
+    llm = _small_llm(v41_dir, yoco_mode="off", max_num_batched_tokens=64, max_num_seqs=16)
+    target = _prompts(seed=2)[9]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = _prompts(seed=3)[:10]
+    mixed = llm.generate(
+        others[:4] + [target] + others[4:],
+        [SamplingParams(temperature=1.0, max_tokens=5)] * 4
+        + [sp]
+        + [SamplingParams(temperature=0.7, max_tokens=9)] * 6,
+        use_tqdm=False,
+    )
+    assert mixed[4].outputs[0].token_ids == alone
+    again = llm.generate(
+        [target],
+        SamplingParams(temperature=1.0, top_p=0.9, seq_seed=1234, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert again.outputs[0].token_ids == alone
+    other_seed = llm.generate(
+        [target], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert other_seed.outputs[0].token_ids != alone
+
+
+def test_outputs_text_stop_and_n(v41_dir):
+    llm = _small_llm(v41_dir, yoco_mode="compact", max_num_batched_tokens=64)
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=10, logprobs=2), use_tqdm=False
+    )[0]
+    c = out.outputs[0]
+    assert out.prompt == "The capital of France is" and out.prompt_token_ids[0] == 0  # BOS
+    assert len(c.token_ids) == 10 and c.text == llm.tokenizer.decode(c.token_ids)
+    assert len(c.logprobs) == 10 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+    assert out.metrics.time_to_first_token > 0
+    stop = c.text[3:6]
+    if stop.strip():
+        cut = llm.generate(
+            "The capital of France is", SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False
+        )[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == c.text[: c.text.index(stop)]
+    many = llm.generate("Hi", SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=4), use_tqdm=False)[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2] and len({tuple(o.token_ids) for o in many.outputs}) > 1
+    tok = llm.generate(
+        "Hi", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[c.token_ids[1]]), use_tqdm=False
+    )
+    assert tok[0].outputs[0].token_ids[-1] == c.token_ids[1] or tok[0].outputs[0].finish_reason == "length"
+
+
+def test_bad_requests_do_not_take_the_others_down(v41_dir, tmp_path):
+    llm = _small_llm(v41_dir, yoco_mode="off", max_model_len=64)
+    outs = llm.generate(
+        ["", [5] * 100, "fine", [129280 + 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length", "error"]
+    assert "empty" in outs[0].error and "max_model_len" in outs[1].error and "vocabulary" in outs[3].error
+    assert len(outs[2].outputs[0].token_ids) == 3 and outs[2].error is None
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()] * 3)
+    from deepinfer_runtime import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(model=tmp_path / "nope")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(model=v41_dir, max_num_seqs=0)
