@@ -345,24 +345,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             x = layer(x, ids, positions, [c.layers[i] for c in caches])
-        outs, start = [], 0
+        # logits only for the rows asked for, all requests in one head call
+        picked, sizes, start = [], [], 0
         for j, (c, ch) in enumerate(zip(caches, chunks)):
             rows = torch.arange(start, start + ch.shape[0], device=dev)
             start += ch.shape[0]
             c.seq_len += ch.shape[0]
             if logit_rows is not None and logit_rows[j] is not None:
                 rows = rows[logit_rows[j].to(dev)]
-            xr = x[rows]
-            pre = mhc_head_weights(
-                xr,
-                self.hc_head_fn,
-                self.hc_head_base,
-                self.hc_head_scale,
-                norm_eps=self.cfg.rms_norm_eps,
-                hc_eps=self.cfg.hc_eps,
-            )
-            outs.append(linear(self.norm(mhc_collapse(xr, pre)).float(), self.head.weight.float()))
-        return outs
+            picked.append(rows)
+            sizes.append(rows.numel())
+        xr = x[torch.cat(picked)]
+        pre = mhc_head_weights(
+            xr,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+        )
+        logits = linear(self.norm(mhc_collapse(xr, pre)).float(), self.head.weight.float())
+        return list(logits.split(sizes))
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""

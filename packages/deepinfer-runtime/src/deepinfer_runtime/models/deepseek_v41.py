@@ -673,17 +673,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
         flat_of_kept = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
         flat_of_kept[keep] = torch.arange(int(keep.sum()), device=dev)
-        outs = []
+        picked, sizes = [], []
         for i, st in enumerate(all_steps):
             rows = torch.arange(st.rows.start, st.rows.stop, device=dev)
             if logit_rows is not None and logit_rows[i] is not None:
                 rows = rows[logit_rows[i].to(dev)]
-            kept_rows = flat_of_kept[rows]
-            out = torch.full((rows.numel(), cfg.vocab_size), float("nan"), device=dev)
-            ok = kept_rows >= 0
-            if ok.any():
-                out[ok] = self.logits(x[kept_rows[ok]], pre_mix[kept_rows[ok]])
-            outs.append(out)
+            picked.append(rows)
+            sizes.append(rows.numel())
+        kept_rows = flat_of_kept[torch.cat(picked)]
+        flat = torch.full((kept_rows.numel(), cfg.vocab_size), float("nan"), device=dev)
+        ok = kept_rows >= 0
+        if ok.any():  # one head call for every request's rows
+            flat[ok] = self.logits(x[kept_rows[ok]], pre_mix[kept_rows[ok]])
+        outs = list(flat.split(sizes))
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for st in steps:

@@ -1,21 +1,42 @@
-"""Plain-PyTorch sparse multi-query attention with sinks (the definition of correct)."""
+"""Plain-PyTorch sparse multi-query attention with sinks (the definition of correct).
+
+Row-invariant by construction: each query row is computed over exactly its valid entries, in the
+order given, so its result does not depend on how much -1 padding the row carries nor on the other
+rows. Rows with the same number of valid entries are batched together (same shapes, same kernels).
+"""
 
 import torch
 
 from deepinfer_kernels.registry import register_reference
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, H, D], keys [R, K, D] (all valid) -> [R, H, D] fp32."""
+    scores = torch.einsum("thd,tkd->thk", q, keys) * scale
+    sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    # the sink joins the max and the denominator but has no value
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys)
+
+
 @register_reference("sparse_mqa_attention")
 def sparse_mqa_attention_ref(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    valid = indices >= 0  # [T, K]
-    keys = kv[indices.clamp(min=0)].float()  # [T, K, D]; K = V
-    scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    # the sink joins the max and the denominator but has no value: a fully masked row gives 0
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    t, h, d = q.shape
+    out = torch.zeros(t, h, d, dtype=torch.float32, device=q.device)
+    valid = indices >= 0
+    counts = valid.sum(dim=1)
+    # valid slots first, in their original order (stable), so a row's entries keep their order
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    packed = torch.gather(indices, 1, order)
+    qf, kvf, sinkf = q.float(), kv.float(), sinks.float()
+    for k in counts.unique().tolist():
+        if k == 0:  # only the sink: the output is zero
+            continue
+        rows = (counts == k).nonzero().squeeze(1)
+        keys = kvf[packed[rows, :k]]
+        out[rows] = _attend(qf[rows], keys, sinkf, scale)
+    return out.to(q.dtype)
