@@ -43,35 +43,7 @@ from torch import nn
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype, row-invariant."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-class Norm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = _param(dim, dtype=torch.float32)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b], dim=0)
+from deepinfer_runtime.models.layers import Experts, Linear, Norm, SharedExpert, cat_rows, param
 
 
 class Compressor(nn.Module):
@@ -86,7 +58,7 @@ class Compressor(nn.Module):
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
         self.wkv = Linear(cfg.hidden_size, width, dtype)
         self.wgate = Linear(cfg.hidden_size, width, dtype)
-        self.ape = _param(ratio, width, dtype=torch.float32)
+        self.ape = param(ratio, width, dtype=torch.float32)
         self.norm = Norm(head_dim, cfg.rms_norm_eps)
 
     def forward(
@@ -98,7 +70,7 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = linear(xf, self.wkv.weight.float())
         score = linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
-        kv, score = _cat(state.pending_kv, kv), _cat(state.pending_score, score)
+        kv, score = cat_rows(state.pending_kv, kv), cat_rows(state.pending_score, score)
         usable = kv.shape[0] // self.ratio * self.ratio
         state.pending_kv, state.pending_score = kv[usable:], score[usable:]
         if usable:
@@ -114,7 +86,7 @@ class Compressor(nn.Module):
                 grouped_kv, grouped_score = kv, score
             pooled = self.norm(kv_compress_pool(grouped_kv, grouped_score).to(x.dtype))
             entry_pos = (torch.arange(n_new, device=x.device) + first) * self.ratio
-            state.entries = _cat(state.entries, rope_interleaved(pooled, entry_pos, inv_freq))
+            state.entries = cat_rows(state.entries, rope_interleaved(pooled, entry_pos, inv_freq))
         if state.entries is None:
             state.entries = x.new_zeros(0, self.head_dim)
         return state.entries
@@ -163,7 +135,7 @@ class Attention(nn.Module):
         self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps)
         self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype)
-        self.attn_sink = _param(self.n_heads, dtype=torch.float32)
+        self.attn_sink = param(self.n_heads, dtype=torch.float32)
         if self.kind != SLIDING:
             ratio = cfg.compress_rates[self.kind]
             self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=self.kind == CSA, dtype=dtype)
@@ -191,7 +163,7 @@ class Attention(nn.Module):
 
     def _attend_one(self, x, qr, q, kv, positions, cache: LayerCache) -> torch.Tensor:
         win = self.cfg.sliding_window
-        rows = _cat(cache.window, kv)  # latents of positions base .. last
+        rows = cat_rows(cache.window, kv)  # latents of positions base .. last
         base = int(positions[0]) - (rows.shape[0] - kv.shape[0])
         cache.window = rows[-(win - 1) :] if win > 1 else rows[:0]
         # window: positions t-win+1 .. t, as rows of `rows`
@@ -215,11 +187,11 @@ class Gate(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.is_hash = cfg, cfg.is_hash_layer(layer)
-        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
+        self.weight = param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
         else:
-            self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)
+            self.bias = param(cfg.n_routed_experts, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x.float(), self.weight.float())
@@ -231,28 +203,13 @@ class Gate(nn.Module):
         return moe_route_topk(logits, self.bias, self.cfg.num_experts_per_tok, **kw)
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
-        super().__init__()
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.w13 = _param(e, 2 * i, d, dtype=dtype)
-        self.w2 = _param(e, d, i, dtype=dtype)
-
-
-class SharedExpert(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
-        super().__init__()
-        d, i = cfg.hidden_size, cfg.moe_intermediate_size
-        self.w1, self.w3, self.w2 = Linear(d, i, dtype), Linear(d, i, dtype), Linear(i, d, dtype)
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
         super().__init__()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer, dtype)
-        self.experts = Experts(cfg, dtype)
-        self.shared_experts = SharedExpert(cfg, dtype)
+        self.experts = Experts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, dtype)
+        self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, input_ids)
@@ -271,9 +228,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer, dtype)
         self.ffn = MoE(cfg, layer, dtype)
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", _param(mix, n * d, dtype=torch.float32))
-            setattr(self, f"hc_{site}_base", _param(mix, dtype=torch.float32))
-            setattr(self, f"hc_{site}_scale", _param(3, dtype=torch.float32))
+            setattr(self, f"hc_{site}_fn", param(mix, n * d, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
         self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
 
     def _mhc(self, site: str) -> MhcParams:
@@ -297,13 +254,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         n, d = cfg.hc_mult, cfg.hidden_size
         self.embed = nn.Module()
-        self.embed.weight = _param(cfg.vocab_size, d, dtype=dtype)
+        self.embed.weight = param(cfg.vocab_size, d, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = Norm(d, cfg.rms_norm_eps)
         self.head = Linear(d, cfg.vocab_size, dtype)
-        self.hc_head_fn = _param(n, n * d, dtype=torch.float32)
-        self.hc_head_base = _param(n, dtype=torch.float32)
-        self.hc_head_scale = _param(1, dtype=torch.float32)
+        self.hc_head_fn = param(n, n * d, dtype=torch.float32)
+        self.hc_head_base = param(n, dtype=torch.float32)
+        self.hc_head_scale = param(1, dtype=torch.float32)
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache.empty(self.cfg.num_hidden_layers)

@@ -49,7 +49,6 @@ from deepinfer_kernels import (
     mhc_lagged_layer,
     moe_experts,
     moe_route_topk,
-    rms_norm,
     rope_interleaved,
     rope_inv_freq,
     sparse_mqa_attention,
@@ -59,35 +58,10 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.models.deepseek_v4 import Experts, SharedExpert, _param
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
+from deepinfer_runtime.models.layers import Experts, Linear, Norm, SharedExpert, cat_rows, param
 
 TRUNCATION_MODES = ("off", "mask", "compact")
-
-
-class Linear(nn.Module):
-    """``weight`` [out, in] under the checkpoint's name; y = x W^T, row-invariant (deepinfer_kernels.linear)."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-class Norm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = _param(dim, dtype=torch.float32)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b], dim=0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,8 +136,8 @@ class Engram(nn.Module):
         n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.head_dim, self.hidden, self.hc = cfg.engram_head_dim, cfg.hidden_size, cfg.hc_mult
         self.wkv = Linear(n_cols * cfg.engram_head_dim, (cfg.hc_mult + 1) * cfg.hidden_size, dtype)
-        self.q_weight = _param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
-        self.k_weight = _param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
+        self.q_weight = param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
+        self.k_weight = param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
         self.rows: torch.Tensor | None = None  # [R, head_dim] float8_e4m3fn or float
         self.scale: torch.Tensor | None = None  # [R, head_dim / 32] float8_e8m0fnu or None
         primes = cfg.engram_primes[self.index]
@@ -244,7 +218,7 @@ class Attention(nn.Module):
         self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps)
         self.wo_a = Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype)
-        self.attn_sink = _param(self.n_heads, dtype=torch.float32)
+        self.attn_sink = param(self.n_heads, dtype=torch.float32)
         is_stage = layer >= cfg.num_hidden_layers
         self.kv_source = None if is_stage or self.ratio == 0 else cfg.kv_source_of(layer)
         self.index_source = None if is_stage or self.ratio == 0 else cfg.index_source_of(layer)
@@ -329,7 +303,7 @@ class Attention(nn.Module):
         if r == 1:
             latent, group_pos = kv, pos
         else:
-            kv, score = _cat(src.tail_kv, kv), _cat(src.tail_score, score)
+            kv, score = cat_rows(src.tail_kv, kv), cat_rows(src.tail_score, score)
             usable = kv.shape[0] // r * r
             src.tail_kv, src.tail_score = kv[usable:], score[usable:]
             if not usable:
@@ -339,7 +313,7 @@ class Attention(nn.Module):
             )
             group_pos = (torch.arange(latent.shape[0], device=x.device) + src.num_entries) * r
         entry, key = self.publish(latent, group_pos)
-        src.entries, src.keys = _cat(src.entries, entry), _cat(src.keys, key)
+        src.entries, src.keys = cat_rows(src.entries, entry), cat_rows(src.keys, key)
 
     def forward_chunk(self, x, x_comp, pos, pos_comp, cache: V41SequenceCache, floor, shared: dict):
         """One request's rows: x [S, d] normed inputs at ``pos``; x_comp/pos_comp the compressor's rows
@@ -352,7 +326,7 @@ class Attention(nn.Module):
         qr, q = self.query(x, pos)
         kv = self.window_kv(x, pos)
         old = cache.windows.get(self.layer)
-        rows = _cat(old, kv)
+        rows = cat_rows(old, kv)
         first = int(pos[0]) - (0 if old is None else old.shape[0])
         cache.windows[self.layer] = rows[-(self.window - 1) :] if self.window > 1 else rows[:0]
         if self.ratio == 0:
@@ -377,9 +351,9 @@ class Gate(nn.Module):
     def __init__(self, cfg: DeepseekV41Config, n_experts: int, top_k: int, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.top_k = cfg, top_k
-        self.weight = _param(n_experts, cfg.hidden_size, dtype=dtype)
-        self.bias = _param(n_experts, dtype=torch.float32)
-        self.bias_vl = _param(n_experts, dtype=torch.float32)  # image-span tokens (vision: not built yet)
+        self.weight = param(n_experts, cfg.hidden_size, dtype=dtype)
+        self.bias = param(n_experts, dtype=torch.float32)
+        self.bias_vl = param(n_experts, dtype=torch.float32)  # image-span tokens (vision: not built yet)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x.float(), self.weight.float()) / self.cfg.gate_temp
@@ -398,23 +372,14 @@ class MoE(nn.Module):
         super().__init__()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, n_experts, top_k, dtype)
-        self.experts = Experts(_ExpertShape(n_experts, cfg.moe_intermediate_size, cfg.hidden_size), dtype)
-        self.shared_experts = SharedExpert(_ExpertShape(n_experts, cfg.moe_intermediate_size, cfg.hidden_size), dtype)
+        self.experts = Experts(n_experts, cfg.moe_intermediate_size, cfg.hidden_size, dtype)
+        self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
         routed = moe_experts(x, experts, weights, self.experts.w13, self.experts.w2, swiglu_limit=self.limit)
         s = self.shared_experts
         return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
-
-
-@dataclass(frozen=True)
-class _ExpertShape:
-    """The three sizes V4's Experts / SharedExpert read from a config."""
-
-    n_routed_experts: int
-    moe_intermediate_size: int
-    hidden_size: int
 
 
 class Block(nn.Module):
@@ -434,9 +399,9 @@ class Block(nn.Module):
         if layer < cfg.num_hidden_layers and cfg.is_engram_layer(layer):
             self.engram = Engram(cfg, layer, dtype)
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", _param(mix, n * d, dtype=torch.float32))
-            setattr(self, f"hc_{site}_base", _param(mix, dtype=torch.float32))
-            setattr(self, f"hc_{site}_scale", _param(3, dtype=torch.float32))
+            setattr(self, f"hc_{site}_fn", param(mix, n * d, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
         self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
 
     def mhc(self, site: str) -> MhcParams:
@@ -473,7 +438,7 @@ class MarkovHead(nn.Module):
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype):
         super().__init__()
         self.embed = nn.Module()
-        self.embed.weight = _param(cfg.vocab_size, cfg.dspark_markov_rank, dtype=dtype)
+        self.embed.weight = param(cfg.vocab_size, cfg.dspark_markov_rank, dtype=dtype)
         self.head = Linear(cfg.dspark_markov_rank, cfg.vocab_size, dtype)
 
 
@@ -561,7 +526,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.yoco_mode, self.yoco_keep = yoco_mode, yoco_keep_tokens
         d = cfg.hidden_size
         self.embed = nn.Module()
-        self.embed.weight = _param(cfg.vocab_size, d, dtype=dtype)
+        self.embed.weight = param(cfg.vocab_size, d, dtype=dtype)
         self.layers = nn.ModuleList(
             Block(cfg, i, dtype, fake_quant, cfg.n_routed_experts, cfg.num_experts_per_tok)
             for i in range(cfg.num_hidden_layers)
@@ -720,7 +685,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         for k, stage in enumerate(self.mtp):
             kv = stage.attn.window_kv(feat, pos)
             old = cache.dspark_ctx.get(k)
-            cache.dspark_ctx[k] = _cat(old, kv)[-stage.attn.window :]
+            cache.dspark_ctx[k] = cat_rows(old, kv)[-stage.attn.window :]
         if pos.numel():
             cache.ctx_end = int(pos[-1]) + 1
 

@@ -14,7 +14,6 @@ Unknown fields and inconsistent values raise ``ConfigError`` naming the field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from deepinfer_kernels import YarnScaling
 from deepinfer_kernels.ops.engram import engram_table_primes
 
 from deepinfer_runtime.errors import ConfigError
+from deepinfer_runtime.models.config_common import parse_config_file
+from deepinfer_runtime.models.config_common import take_field as _take
 from deepinfer_runtime.models.deepseek_v4_config import QuantConfig
 
 WINDOW, KV_SOURCE, REUSE, REINDEX = "window", "kv_source", "reuse", "reindex"
@@ -263,30 +264,7 @@ class DeepseekV41Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV41Config:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        try:
-            return _parse(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-
-
-def _take(raw: dict, key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in raw:
-        if default is ...:
-            raise ConfigError(f"missing required field {key!r}")
-        return default
-    value = raw.pop(key)
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"field {key!r} = {value!r} should be of type {getattr(typ, '__name__', typ)}")
-    return value
+        return parse_config_file(path, _parse)
 
 
 def _int_list(raw: dict, key: str, default: Any = ...) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ writes after loading (``layer_types``, ``mlp_layer_types``, ``compress_rates``,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 from deepinfer_kernels import YarnScaling
 
 from deepinfer_runtime.errors import ConfigError
+from deepinfer_runtime.models.config_common import parse_config_file
+from deepinfer_runtime.models.config_common import take_field as _take
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -168,30 +169,7 @@ class DeepseekV4Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV4Config:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        try:
-            return _parse(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-
-
-def _take(raw: dict, key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in raw:
-        if default is ...:
-            raise ConfigError(f"missing required field {key!r}")
-        return default
-    value = raw.pop(key)
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"field {key!r} = {value!r} should be of type {getattr(typ, '__name__', typ)}")
-    return value
+        return parse_config_file(path, _parse)
 
 
 def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
