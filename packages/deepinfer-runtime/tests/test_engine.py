@@ -120,6 +120,10 @@ def test_bad_requests_do_not_take_the_others_down(v41_dir, tmp_path):
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length", "error"]
     assert "empty" in outs[0].error and "max_model_len" in outs[1].error and "vocabulary" in outs[3].error
     assert len(outs[2].outputs[0].token_ids) == 3 and outs[2].error is None
+    until_full = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=None), use_tqdm=False)[0]
+    assert len(until_full.prompt_token_ids) + len(until_full.outputs[0].token_ids) == 64  # max_model_len
+    unsupported = llm.generate("Hi", SamplingParams(prompt_logprobs=1), use_tqdm=False)[0]
+    assert "prompt_logprobs" in unsupported.error
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="sampling_params"):

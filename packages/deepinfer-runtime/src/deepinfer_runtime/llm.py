@@ -151,7 +151,9 @@ class LLM:
             return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
         if len(ids) >= self.max_model_len:
             return f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
-        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if params.prompt_logprobs is not None:
+            return "prompt_logprobs is not supported yet"
+        need = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if need > self.budget.num_tokens:
             return f"prompt + max_tokens needs {need} tokens of KV cache; the budget holds {self.budget.num_tokens}"
         return None

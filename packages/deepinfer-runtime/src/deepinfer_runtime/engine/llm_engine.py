@@ -74,6 +74,8 @@ class LLMEngine:
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return "stop_token"
-        if n_out >= p.max_tokens or req.num_tokens >= self.scheduler.config.max_model_len:
+        if (
+            p.max_tokens is not None and n_out >= p.max_tokens
+        ) or req.num_tokens >= self.scheduler.config.max_model_len:
             return "length"
         return None
