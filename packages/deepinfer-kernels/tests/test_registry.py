@@ -59,3 +59,21 @@ def test_every_public_op_has_a_reference():
     for name in ("rms_norm", "rope_interleaved", "sparse_mqa_attention", "kv_compress_pool", "grouped_linear"):
         assert ops[name][0] == "reference"
     assert callable(deepinfer_kernels.rms_norm)
+
+
+def test_batch_invariant_mode_admits_only_invariant_backends(toy_op, monkeypatch):
+    register_backend(toy_op, "fast", lambda x: ("fast", x), devices=("cpu",), priority=9)
+    register_backend(toy_op, "steady", lambda x: ("steady", x), devices=("cpu",), priority=1, batch_invariant=True)
+    monkeypatch.setattr(registry, "_BATCH_INVARIANT", None)
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    assert dispatch(toy_op, "cpu", 0)[0] == "fast"
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert registry.batch_invariant() and dispatch(toy_op, "cpu", 0)[0] == "steady"
+    registry.set_batch_invariant(False)  # the explicit switch wins over the environment
+    assert dispatch(toy_op, "cpu", 0)[0] == "fast"
+    registry.set_batch_invariant(True)
+    registry._CHOSEN.clear()  # resolution is cached per process; a new pin needs a fresh resolution
+    monkeypatch.setenv("DEEPINFER_BACKEND_TOY_OP", "fast")
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        dispatch(toy_op, "cpu", 0)
+    registry.set_batch_invariant(None)

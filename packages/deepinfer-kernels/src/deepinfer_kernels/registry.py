@@ -8,6 +8,9 @@ later with a priority and the device types they serve.
 Selection happens once per (op, device type) and is cached:
 
 * ``DEEPINFER_FORCE_REFERENCE=1`` routes every op to its reference (bisecting numerical bugs);
+* batch-invariant mode (``DEEPINFER_BATCH_INVARIANT=1`` or ``set_batch_invariant(True)``) only admits
+  backends registered with ``batch_invariant=True``: a row's result may not depend on the other rows.
+  Every reference is row-invariant by construction, so the references always qualify;
 * ``DEEPINFER_BACKEND_<OP>=<backend>`` pins one op to one backend (upper-case op name);
 * otherwise the available backend with the highest priority wins, the reference last.
 
@@ -41,6 +44,7 @@ class Backend:
     devices: tuple[str, ...]
     priority: int = 0
     available: Callable[[], bool] = lambda: True
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -51,13 +55,29 @@ class OpEntry:
 
 
 _OPS: dict[str, OpEntry] = {}
-_CHOSEN: dict[tuple[str, str], Callable] = {}
+_CHOSEN: dict[tuple[str, str, bool], Callable] = {}
 _PLUGINS_LOADED = False
+_BATCH_INVARIANT: bool | None = None  # None: follow DEEPINFER_BATCH_INVARIANT
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def batch_invariant() -> bool:
+    """True in batch-invariant mode (``set_batch_invariant`` wins over ``DEEPINFER_BATCH_INVARIANT``)."""
+    return _truthy("DEEPINFER_BATCH_INVARIANT") if _BATCH_INVARIANT is None else _BATCH_INVARIANT
+
+
+def set_batch_invariant(on: bool | None) -> None:
+    """Turn batch-invariant mode on or off for this process (None: back to the environment variable)."""
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = on
 
 
 def force_reference() -> bool:
     """True when ``DEEPINFER_FORCE_REFERENCE`` is set to a true value."""
-    return os.environ.get("DEEPINFER_FORCE_REFERENCE", "0").lower() in ("1", "true", "yes", "on")
+    return _truthy("DEEPINFER_FORCE_REFERENCE")
 
 
 def register_reference(name: str) -> Callable[[Callable], Callable]:
@@ -80,13 +100,16 @@ def register_backend(
     devices: tuple[str, ...],
     priority: int = 10,
     available: Callable[[], bool] = lambda: True,
+    batch_invariant: bool = False,
 ) -> None:
-    """Add a backend for ``op``; re-registering the same backend name replaces it."""
+    """Add a backend for ``op``; re-registering the same backend name replaces it. ``batch_invariant``
+    declares that each output row is independent of the other rows (bitwise), which the backend's tests
+    must check; only such backends serve batch-invariant mode."""
     if op not in _OPS:
         raise KeyError(f"unknown op {op!r}: import its reference before registering backends")
     if backend == REFERENCE:
         raise ValueError("the name 'reference' is reserved")
-    _OPS[op].backends[backend] = Backend(backend, fn, tuple(devices), priority, available)
+    _OPS[op].backends[backend] = Backend(backend, fn, tuple(devices), priority, available, batch_invariant)
     _CHOSEN.clear()
 
 
@@ -105,7 +128,8 @@ def _load_plugins() -> None:
 def resolve(op: str, device: torch.device | str = "cpu") -> Callable:
     """The implementation of ``op`` used for tensors on ``device`` (cached per process)."""
     device_type = torch.device(device).type
-    key = (op, device_type)
+    invariant = batch_invariant()
+    key = (op, device_type, invariant)
     fn = _CHOSEN.get(key)
     if fn is not None and not force_reference():
         return fn
@@ -124,12 +148,16 @@ def resolve(op: str, device: torch.device | str = "cpu") -> Callable:
                 f"DEEPINFER_BACKEND_{op.upper()}={pinned!r}: no such backend for {op!r} "
                 f"(have: {[REFERENCE, *entry.backends]})"
             )
+        if invariant and not entry.backends[pinned].batch_invariant:
+            raise ValueError(
+                f"DEEPINFER_BACKEND_{op.upper()}={pinned!r} is not batch-invariant (batch-invariant mode is on)"
+            )
         fn = entry.backends[pinned].fn
     else:
         fn = entry.reference
         candidates = sorted(entry.backends.values(), key=lambda b: -b.priority)
         for b in candidates:
-            if device_type in b.devices and b.available():
+            if device_type in b.devices and (b.batch_invariant or not invariant) and b.available():
                 fn = b.fn
                 break
     _CHOSEN[key] = fn

@@ -65,6 +65,9 @@ class LLM:
         seed: derives the sampling stream of requests that set no seed of their own.
         block_size: tokens per KV block.
         yoco_mode / yoco_keep_tokens / fake_quant: V4.1 model options (see ``load_model``).
+        batch_invariant: a request's logits are bitwise the same whatever else is in the batch and however
+            its prompt is chunked (None: ``DEEPINFER_BATCH_INVARIANT``). Only row-invariant backends serve
+            this mode; the CPU references always are, so on the CPU it costs nothing.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class LLM:
         yoco_mode: str | None = None,
         yoco_keep_tokens: int | None = None,
         fake_quant: bool = True,
+        batch_invariant: bool | None = None,
         log_stats: bool = True,
     ):
         for name, value in (
@@ -96,6 +100,10 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if gpu_memory_utilization is not None and kv_cache_memory is not None:
             raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
+        if batch_invariant is not None:
+            from deepinfer_kernels import registry
+
+            registry.set_batch_invariant(batch_invariant)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype == "auto":
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
