@@ -1,0 +1,100 @@
+"""Row invariance of the reference ops on CUDA (skipped without a GPU).
+
+Measured on an H200 (torch 2.11+cu130): the ops below marked xfail reduce over the last dim with
+.mean()/.sum()/softmax, whose CUDA reduction strategy depends on the number of rows, so a row's bits
+change with the batch. They are strict xfails: fixing one turns its test red until the mark is removed.
+"""
+
+import deepinfer_kernels as dk
+import pytest
+import torch
+from deepinfer_kernels import MhcConfig, MhcParams
+
+pytestmark = pytest.mark.gpu
+T = 37
+NOT_YET = pytest.mark.xfail(strict=True, reason="CUDA reduction order depends on the number of rows")
+
+
+def _invariant(fn, *rowed):
+    full = fn(*rowed)
+    for chunk in (1, 5, 16, 17):
+        parts = [fn(*(r[s : s + chunk] for r in rowed)) for s in range(0, T, chunk)]
+        if not torch.equal(torch.cat(parts), full):
+            return False
+    return True
+
+
+def _cases():
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, device=dev, generator=g)
+
+    w, inv = r(704, 1280), dk.rope_inv_freq(64, 160000.0).to(dev)
+    prm, cfg = MhcParams(r(24, 1024) * 0.03, r(24), r(3).abs()), MhcConfig(1e-6, 1e-6, 20)
+    e, i = 8, 128
+    w13, w2 = r(e, 2 * i, 256) * 0.05, r(e, 256, i) * 0.05
+    experts = torch.stack([torch.randperm(e, device=dev, generator=g)[:3] for _ in range(T)])
+    keys, kv = r(300, 64), r(400, 512)
+    idx = torch.randint(-1, 400, (T, 150), device=dev, generator=g)
+    sinks, ew = r(8), r(4, 256)
+    return {
+        "linear": (lambda x: dk.linear(x, w), r(T, 1280)),
+        "rope_interleaved": (
+            lambda x, p: dk.rope_interleaved(x, p, inv),
+            r(T, 8, 512),
+            torch.randint(0, 9999, (T,), device=dev, generator=g),
+        ),
+        "mhc_collapse": (dk.mhc_collapse, r(T, 4, 256), r(T, 4).abs()),
+        "mhc_expand": (dk.mhc_expand, r(T, 4, 256), r(T, 256), r(T, 4).abs(), r(T, 4, 4).abs()),
+        "moe_experts": (
+            lambda x, ex, wt: dk.moe_experts(x, ex, wt, w13, w2, swiglu_limit=10.0),
+            r(T, 256),
+            experts,
+            r(T, 3).abs(),
+        ),
+        "grouped_linear": (lambda x: dk.grouped_linear(x, w[:1024, :512].contiguous()), r(T, 8, 512)),
+        "indexer_scores": (
+            lambda q, wt: dk.indexer_scores(q[None], keys[None], wt[None], 0.125)[0],
+            r(T, 16, 64),
+            r(T, 16).abs(),
+        ),
+        "kv_compress_pool": (dk.kv_compress_pool, r(T, 2, 512), r(T, 2, 512)),
+        "fake_quant_e2m1": (lambda x: dk.fake_quant_e2m1(x, 16, "e4m3"), r(T, 512)),
+        "rms_norm": (lambda x: dk.rms_norm(x, None, 1e-6), r(T, 512)),
+        "mhc_coefficients": (
+            lambda x: torch.cat([t.reshape(x.shape[0], -1) for t in dk.mhc_coefficients(x, prm, cfg)], 1),
+            r(T, 4, 256),
+        ),
+        "sparse_mqa_attention": (lambda q, i_: dk.sparse_mqa_attention(q, kv, i_, sinks, 512**-0.5), r(T, 8, 512), idx),
+        "engram_gate_inject": (
+            lambda x, k, v: dk.engram_gate_inject(x, k, v, ew, None),
+            r(T, 4, 256),
+            r(T, 4, 256),
+            r(T, 256),
+        ),
+    }
+
+
+KNOWN_FAILING = {"rms_norm", "mhc_coefficients", "sparse_mqa_attention", "engram_gate_inject"}
+OPS = [
+    "linear",
+    "rope_interleaved",
+    "mhc_collapse",
+    "mhc_expand",
+    "moe_experts",
+    "grouped_linear",
+    "indexer_scores",
+    "kv_compress_pool",
+    "fake_quant_e2m1",
+    *sorted(KNOWN_FAILING),
+]
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, marks=NOT_YET) if o in KNOWN_FAILING else o for o in OPS])
+def test_reference_op_is_row_invariant_on_cuda(op):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fn, *rowed = _cases()[op]
+    assert _invariant(fn, *rowed), f"{op} is not row-invariant on CUDA"
