@@ -1,8 +1,8 @@
 """Row invariance of the reference ops on CUDA (skipped without a GPU).
 
-Measured on an H200 (torch 2.11+cu130): the ops below marked xfail reduce over the last dim with
-.mean()/.sum()/softmax, whose CUDA reduction strategy depends on the number of rows, so a row's bits
-change with the batch. They are strict xfails: fixing one turns its test red until the mark is removed.
+CUDA picks the reduction strategy of .sum()/.mean()/softmax from the tensor's shape, so references that
+reduced that way changed a row's bits with the batch (rms_norm, mhc_coefficients, sparse attention, the
+Engram gate, as measured on an H200). They now reduce with ``ops/_reduce.row_sum``; this test keeps it so.
 """
 
 import deepinfer_kernels as dk
@@ -12,7 +12,6 @@ from deepinfer_kernels import MhcConfig, MhcParams
 
 pytestmark = pytest.mark.gpu
 T = 37
-NOT_YET = pytest.mark.xfail(strict=True, reason="CUDA reduction order depends on the number of rows")
 
 
 def _invariant(fn, *rowed):
@@ -77,7 +76,6 @@ def _cases():
     }
 
 
-KNOWN_FAILING = {"rms_norm", "mhc_coefficients", "sparse_mqa_attention", "engram_gate_inject"}
 OPS = [
     "linear",
     "rope_interleaved",
@@ -88,11 +86,14 @@ OPS = [
     "indexer_scores",
     "kv_compress_pool",
     "fake_quant_e2m1",
-    *sorted(KNOWN_FAILING),
+    "engram_gate_inject",
+    "mhc_coefficients",
+    "rms_norm",
+    "sparse_mqa_attention",
 ]
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=NOT_YET) if o in KNOWN_FAILING else o for o in OPS])
+@pytest.mark.parametrize("op", OPS)
 def test_reference_op_is_row_invariant_on_cuda(op):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

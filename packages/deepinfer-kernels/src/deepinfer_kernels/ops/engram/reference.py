@@ -5,6 +5,7 @@ import math
 import torch
 
 from deepinfer_kernels.ops._elementwise import sigmoid
+from deepinfer_kernels.ops._reduce import row_mean, row_sum
 from deepinfer_kernels.registry import register_reference
 
 from .vocab import DEAD
@@ -57,9 +58,9 @@ def engram_gate_inject_ref(
     xf = x.float()
     kf = key.float()
     d = x.shape[-1]
-    xn = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # per stream, not jointly
-    kn = kf * torch.rsqrt(kf.square().mean(-1, keepdim=True) + eps)
-    dot = (xn * w.float() * kn).sum(-1) / math.sqrt(d)  # [..., n]
+    xn = xf * torch.rsqrt(row_mean(xf.square()) + eps)  # per stream, not jointly
+    kn = kf * torch.rsqrt(row_mean(kf.square()) + eps)
+    dot = row_sum(xn * w.float() * kn).squeeze(-1) / math.sqrt(d)  # [..., n]
     # the row-invariant sigmoid: torch.sigmoid's bits depend on the other rows in the call (CPU)
     gate = sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     if image_mask is not None:

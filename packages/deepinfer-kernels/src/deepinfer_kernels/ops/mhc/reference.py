@@ -14,6 +14,7 @@ batched over tokens with a fixed per-token shape).
 import torch
 
 from deepinfer_kernels.ops._elementwise import sigmoid
+from deepinfer_kernels.ops._reduce import row_mean
 from deepinfer_kernels.ops.linear.reference import linear_ref
 from deepinfer_kernels.registry import register_reference
 
@@ -21,7 +22,7 @@ from deepinfer_kernels.registry import register_reference
 def _normed_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """[T, n, d] -> fp32 [T, rows(fn)]: unweighted RMSNorm over the flattened n*d, then @ fn^T."""
     flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2]).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    flat = flat * torch.rsqrt(row_mean(flat.square()) + norm_eps)
     return linear_ref(flat, fn.float())
 
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from deepinfer_kernels.ops._reduce import row_mean
 from deepinfer_kernels.registry import register_reference
 
 
@@ -10,7 +11,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     # fp32 statistics; the weight multiplies in fp32 and the result is cast once (DeepSeek keeps
     # norm weights in fp32, so a bf16 multiply would round twice).
     xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(row_mean(xf.square()) + eps)
     if weight is not None:
         y = weight.float() * y
     return y.to(x.dtype)

@@ -7,18 +7,20 @@ rows. Rows with the same number of valid entries are batched together (same shap
 
 import torch
 
+from deepinfer_kernels.ops._reduce import row_softmax, row_sum
 from deepinfer_kernels.registry import register_reference
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [R, H, D], keys [R, K, D] (all valid) -> [R, H, D] fp32."""
-    scores = torch.einsum("thd,tkd->thk", q, keys) * scale
+    """q [R, H, D], keys [R, K, D] (all valid) -> [R, H, D] fp32.
+
+    Every reduction (q.k over D, the softmax denominator, the weighted sum over K) is a row_sum over a
+    contiguous last dim, so a row's bits never depend on how many rows share the call (CPU and CUDA)."""
+    scores = row_sum(q[:, :, None, :] * keys[:, None, :, :]).squeeze(-1) * scale  # [R, H, K]
     sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
-    logits = torch.cat([scores, sink], dim=-1)
     # the sink joins the max and the denominator but has no value
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys)
+    probs = row_softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
+    return row_sum(probs[:, :, None, :] * keys.transpose(1, 2)[:, None, :, :]).squeeze(-1)  # [R, H, D]
 
 
 @register_reference("sparse_mqa_attention")
