@@ -1,4 +1,5 @@
-"""Batch invariance on the CPU (issue: batch-invariant inference and deterministic sampling).
+"""Batch invariance on the CPU and, with the gpu marker, on CUDA (issue: batch-invariant inference and
+deterministic sampling).
 
 One request alone versus the same request inside batches of 1 to 64 others of different lengths, under
 different token budgets (so its prompt is chunked differently and its rows share steps with other
@@ -14,16 +15,21 @@ from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
 TARGET_LEN, NEW = 57, 6
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["v4", "v4.1"])
 def ckpt(request, tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("bi") / request.param, request.param, "none", seed=7)
 
 
-def _run(path, others: int, budget: int, seed: int, temperature: float):
+def _run(path, others: int, budget: int, seed: int, temperature: float, device: str = "cpu"):
     llm = LLM(
         model=path,
         dtype="float32",
-        device="cpu",
+        device=device,
         max_num_seqs=max(others + 1, 4),
         max_num_batched_tokens=budget,
         batch_invariant=True,
@@ -58,9 +64,9 @@ def _run(path, others: int, budget: int, seed: int, temperature: float):
 
 
 @pytest.mark.parametrize("others, budget", [(1, 16), (8, 64), (64, 256)])
-def test_logits_and_seeded_tokens_do_not_depend_on_the_batch(ckpt, others, budget):
-    alone_tokens, alone_logits = _run(ckpt, 0, 32, seed=42, temperature=1.0)
-    tokens, logits = _run(ckpt, others, budget, seed=42, temperature=1.0)
+def test_logits_and_seeded_tokens_do_not_depend_on_the_batch(ckpt, others, budget, device):
+    alone_tokens, alone_logits = _run(ckpt, 0, 32, seed=42, temperature=1.0, device=device)
+    tokens, logits = _run(ckpt, others, budget, seed=42, temperature=1.0, device=device)
     assert alone_logits.shape == logits.shape == (NEW, 129280)
     assert torch.equal(logits, alone_logits), f"logits differ with {others} others at budget {budget}"
     assert tokens == alone_tokens
