@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 from deepinfer_kernels import (
-    MhcConfig,
-    MhcParams,
     grouped_linear,
     indexer_scores,
     indexer_topk,
@@ -43,7 +41,7 @@ from torch import nn
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from deepinfer_runtime.models.layers import Experts, Linear, Norm, SharedExpert, cat_rows, param
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
 
 
 class Compressor(nn.Module):
@@ -218,32 +216,21 @@ class MoE(nn.Module):
         return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
 
 
-class Block(nn.Module):
+class Block(MhcBlock):
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
-        super().__init__()
-        n, d = cfg.hc_mult, cfg.hidden_size
-        mix = (2 + n) * n
+        super().__init__(cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        d = cfg.hidden_size
         self.attn_norm = Norm(d, cfg.rms_norm_eps)
         self.ffn_norm = Norm(d, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, dtype)
         self.ffn = MoE(cfg, layer, dtype)
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", param(mix, n * d, dtype=torch.float32))
-            setattr(self, f"hc_{site}_base", param(mix, dtype=torch.float32))
-            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
-        self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
-
-    def _mhc(self, site: str) -> MhcParams:
-        return MhcParams(
-            getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
-        )
 
     def forward(self, x, input_ids, positions, caches):
         """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
         x = mhc_same_site_sublayer(
-            x, lambda u: self.attn(self.attn_norm(u), positions, caches), self._mhc("attn"), self.hc
+            x, lambda u: self.attn(self.attn_norm(u), positions, caches), self.mhc("attn"), self.hc
         )
-        return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self._mhc("ffn"), self.hc)
+        return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self.mhc("ffn"), self.hc)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

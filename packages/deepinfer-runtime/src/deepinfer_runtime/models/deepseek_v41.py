@@ -30,8 +30,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from deepinfer_kernels import (
-    MhcConfig,
-    MhcParams,
     candidate_block_mask,
     engram_gate_inject,
     engram_hash_ids,
@@ -59,7 +57,7 @@ from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
-from deepinfer_runtime.models.layers import Experts, Linear, Norm, SharedExpert, cat_rows, param
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
 
 TRUNCATION_MODES = ("off", "mask", "compact")
 
@@ -382,15 +380,14 @@ class MoE(nn.Module):
         return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
 
 
-class Block(nn.Module):
+class Block(MhcBlock):
     """Backbone layer or DSpark stage: [Engram] -> attention site -> FFN site, single-pass mHC (spec 6)."""
 
     def __init__(
         self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, fake_quant: bool, n_experts: int, top_k: int
     ):
-        super().__init__()
-        n, d = cfg.hc_mult, cfg.hidden_size
-        mix = (2 + n) * n
+        super().__init__(cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        d = cfg.hidden_size
         self.layer = layer
         self.attn_norm = Norm(d, cfg.rms_norm_eps)
         self.ffn_norm = Norm(d, cfg.rms_norm_eps)
@@ -398,16 +395,6 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, n_experts, top_k, dtype)
         if layer < cfg.num_hidden_layers and cfg.is_engram_layer(layer):
             self.engram = Engram(cfg, layer, dtype)
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", param(mix, n * d, dtype=torch.float32))
-            setattr(self, f"hc_{site}_base", param(mix, dtype=torch.float32))
-            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
-        self.hc = MhcConfig(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
-
-    def mhc(self, site: str) -> MhcParams:
-        return MhcParams(
-            getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
-        )
 
     def run(self, x, pre_mix, attn_fn):
         """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]."""

@@ -4,7 +4,7 @@ names, and every matrix product goes through the row-invariant ``deepinfer_kerne
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels import linear, rms_norm
+from deepinfer_kernels import MhcConfig, MhcParams, linear, rms_norm
 from torch import nn
 
 
@@ -53,4 +53,23 @@ class SharedExpert(nn.Module):
             Linear(hidden, inter, dtype),
             Linear(hidden, inter, dtype),
             Linear(inter, hidden, dtype),
+        )
+
+
+class MhcBlock(nn.Module):
+    """Base of a DeepSeek V4 / V4.1 block: the mHC parameters of its two sites (attention, FFN) under the
+    checkpoint's names ``hc_{attn,ffn}_{fn,base,scale}`` (fp32) and the coefficient settings."""
+
+    def __init__(self, hc_mult: int, hidden: int, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+        super().__init__()
+        mix = (2 + hc_mult) * hc_mult
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", param(mix, hc_mult * hidden, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
+        self.hc = MhcConfig(norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+    def mhc(self, site: str) -> MhcParams:
+        return MhcParams(
+            getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
         )
