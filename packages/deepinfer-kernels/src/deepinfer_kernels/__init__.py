@@ -13,6 +13,7 @@ from deepinfer_kernels.ops.engram import (
     engram_next_history,
     engram_table_primes,
 )
+from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
@@ -29,6 +30,8 @@ from deepinfer_kernels.ops.mhc import (
     mhc_same_site_sublayer,
 )
 from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_clamp, swiglu_mlp
+from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
 from deepinfer_kernels.ops.quant import (
     act_dequant_fp8,
     act_quant_fp8,
@@ -43,6 +46,8 @@ from deepinfer_kernels.ops.quant import (
 from deepinfer_kernels.ops.rms_norm import rms_norm
 from deepinfer_kernels.ops.rope import YarnScaling, rope_interleaved, rope_inv_freq
 from deepinfer_kernels.ops.sparse_mqa_attention import sparse_mqa_attention
+from deepinfer_kernels.ops.token_bitmask import apply_token_bitmask
+from deepinfer_kernels.ops.topk_select import topk_select
 
 __version__ = "0.1.0"
 
@@ -90,6 +95,13 @@ __all__ = [
     "engram_table_primes",
     "linear",
     "ROW_TILE",
+    "apply_token_bitmask",
+    "fp8_gemm_nt",
+    "moe_permute",
+    "moe_unpermute",
+    "mxfp4_grouped_gemm",
+    "mxfp4_grouped_gemm_gather",
+    "topk_select",
 ]
 
 from deepinfer_kernels.ops.sampling import (  # noqa: E402

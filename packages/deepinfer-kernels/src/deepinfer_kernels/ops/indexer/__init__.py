@@ -147,3 +147,9 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block_size
     _check_count(fn, "block_size", block_size, 1)
     _check_count(fn, "top_blocks", top_blocks, 1)
     return dispatch(fn, scores.device, scores, visible, block_size, top_blocks)
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass

@@ -21,3 +21,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != last dim of x {x.shape[-1]}")
     return dispatch("rms_norm", x.device, x, weight, eps)
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass

@@ -39,3 +39,9 @@ def sparse_mqa_attention(
             f"indices {tuple(indices.shape)}, sinks {tuple(sinks.shape)}"
         )
     return dispatch("sparse_mqa_attention", q.device, q, kv, indices, sinks, scale)
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass

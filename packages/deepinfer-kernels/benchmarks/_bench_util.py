@@ -1,0 +1,55 @@
+"""Shared helpers of the kernel microbenchmarks: timing, the ceilings measured in the same run, and the
+JSON-lines output under ``benchmarks/results/`` (repository root, gitignored)."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
+def bench_ms(fn, *args, **kwargs) -> float:
+    """Median milliseconds per call of ``fn(*args, **kwargs)`` (triton.testing.do_bench, 25 ms warmup,
+    100 ms of repetitions, L2 flushed between calls)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median"))
+
+
+def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer, GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(dst.copy_, src)
+    return 2 * nbytes / ms / 1e6
+
+
+def matmul_ceiling_tflops(n: int = 8192) -> float:
+    """bf16 n x n x n torch.matmul (cuBLAS) throughput, TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(torch.matmul, a, b)
+    return 2 * n**3 / ms / 1e9
+
+
+class Recorder:
+    """Prints one line per measurement and appends it as JSON to ``RESULTS / <name>.jsonl``."""
+
+    def __init__(self, name: str):
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.path = RESULTS / f"{name}.jsonl"
+        self.meta = {
+            "bench": name,
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+    def add(self, **row) -> None:
+        row = {**self.meta, **row}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items() if k not in self.meta}
+        print("  ".join(f"{k}={v}" for k, v in shown.items()), flush=True)

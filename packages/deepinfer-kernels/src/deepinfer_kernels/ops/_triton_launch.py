@@ -1,0 +1,40 @@
+"""Shared plumbing of the Triton backends: the availability probe and the interpreter check.
+
+Backends register for "cuda" only, but their launchers accept CPU tensors too, which Triton runs in
+its interpreter when ``TRITON_INTERPRET=1`` was set before triton was first imported. The interpreter
+decides at decoration time, for triton's own library functions as well as ours, so it cannot be
+switched on later in a process: the tests run their interpreter cases in a child process
+(``deepinfer_kernels.testing.triton_interpreter``).
+"""
+
+import functools
+
+import torch
+
+
+@functools.cache
+def triton_cuda_available() -> bool:
+    """True when triton imports and a CUDA device is present (probed once per process)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def interpreting() -> bool:
+    """True when this process's triton kernels run in the interpreter (so CPU tensors are accepted)."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+def require_same_device(*tensors: torch.Tensor) -> None:
+    """CPU tensors are only valid under the interpreter; mixed devices never are."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"triton backend: tensors on several devices {sorted(map(str, devices))}")
+    if next(iter(devices)).type == "cpu" and not interpreting():
+        raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")

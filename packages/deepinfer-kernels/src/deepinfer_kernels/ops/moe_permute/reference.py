@@ -1,0 +1,39 @@
+"""Plain-PyTorch expert permutation (the definition of correct). Stable sort, exact gathers, and a slot-order
+sum of separately rounded fp32 products (mul, then add), so every token's bits depend on its own rows only."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.registry import register_reference
+
+
+@register_reference("moe_permute")
+def moe_permute_ref(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    k = experts.shape[1]
+    flat = experts.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return x[order // k], order, offsets
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """pos with pos[order[j]] = j (int64)."""
+    pos = torch.empty_like(order, dtype=torch.int64)
+    pos[order.long()] = torch.arange(order.shape[0], device=order.device)
+    return pos
+
+
+@register_reference("moe_unpermute")
+def moe_unpermute_ref(y, order, num_tokens, weights=None, out_dtype=None):
+    p, d = y.shape
+    k = p // num_tokens
+    rows = y.float() if order is None else y.float()[inverse_order(order)]
+    rows = rows.view(num_tokens, k, d)
+    w = None if weights is None else weights.float()
+    out = rows[:, 0] if w is None else rows[:, 0] * w[:, :1]
+    for i in range(1, k):
+        out = out + (rows[:, i] if w is None else rows[:, i] * w[:, i : i + 1])
+    return out.to(out_dtype or y.dtype)

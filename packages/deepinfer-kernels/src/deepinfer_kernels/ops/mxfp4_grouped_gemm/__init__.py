@@ -1,0 +1,151 @@
+"""MoE expert GEMMs with MXFP4 weights (E2M1 codes, one UE8M0 scale per 32 along K), bf16 activations.
+
+Hopper has no FP4 tensor cores: the GPU backends dequantise weight tiles to bf16 in registers (exact: an E2M1
+value times a power of two fits bf16) and multiply on the bf16 tensor cores with fp32 accumulation.
+
+Two row layouts:
+
+* ``mxfp4_grouped_gemm`` (prefill, "contiguous"): rows sorted by expert (``moe_permute``), expert e owns rows
+  [expert_offsets[e], expert_offsets[e+1]); one launch for all experts;
+* ``mxfp4_grouped_gemm_gather`` (decode): each output row p names its expert ``row_expert[p]`` and optionally
+  its input row ``row_index[p]`` (so the gate/up GEMM reads x[token] straight from the token-major input).
+
+Both can fuse the clamped SwiGLU of ``swiglu_clamp`` into the gate/up projection (w13 = [gate; up] rows, as
+in ``moe_experts``) and multiply a per-row scale (the routing weight) into the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the references)
+
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_weights(op: str, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, fuse_swiglu: bool) -> None:
+    if x.dim() != 2 or x.dtype not in _X_DTYPES:
+        raise ValueError(f"{op}: x must be a 2-D bfloat16/float16/float32 tensor, got {x.dtype}{tuple(x.shape)}")
+    if w.dim() != 3 or w.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"{op}: w must be [E, N, K/2] int8/uint8 (packed E2M1), got {w.dtype}{tuple(w.shape)}")
+    e, n, kh = w.shape
+    if 2 * kh != x.shape[1] or x.shape[1] % 32:
+        raise ValueError(
+            f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (K = 2 * w.shape[2], K % 32 == 0)"
+        )
+    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(w_scale.shape) != (e, n, kh // 16):
+        raise ValueError(
+            f"{op}: w_scale must be [{e}, {n}, {kh // 16}] float8_e8m0fnu/uint8, got {tuple(w_scale.shape)}"
+        )
+    if fuse_swiglu and n % 2:
+        raise ValueError(f"{op}: fuse_swiglu needs an even N (gate rows then up rows), got {n}")
+
+
+def _check_rows(op: str, t: torch.Tensor | None, name: str, rows: int, integer: bool) -> None:
+    if t is None:
+        return
+    if t.dim() != 1 or t.shape[0] != rows or t.is_floating_point() == integer:
+        kind = "integer" if integer else "floating point"
+        raise ValueError(f"{op}: {name} must be {kind} [{rows}], got {t.dtype}{tuple(t.shape)}")
+
+
+def mxfp4_grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    fuse_swiglu: bool = False,
+    swiglu_limit: float | None = None,
+    row_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Contiguous grouped GEMM: for every expert e and row r in [off[e], off[e+1]): y[r] = x[r] . W_e^T, where
+    W_e[n, k] = E2M1(code) * 2^(w_scale[e, n, k // 32] - 127) (``mxfp4_dequantize``), in fp32.
+
+    Then, with ``fuse_swiglu``: h[r] = swiglu_clamp(y[r, :N/2], y[r, N/2:], swiglu_limit) (gate = first half of
+    the rows of W, up = second half, as ``moe_experts``' w13); then h[r] *= row_scale[r] when given.
+
+    Args:
+        x: [R, K] bfloat16 (float16 / float32 accepted; GPU backends round the operand to bf16), rows sorted
+            by expert; K a multiple of 32.
+        w: [E, N, K/2] int8/uint8, element 2k in the low nibble of byte k (``mxfp4_quantize`` per expert).
+        w_scale: [E, N, K/32] float8_e8m0fnu or uint8 (UE8M0 bytes).
+        expert_offsets: [E + 1] integer, non-decreasing, off[0] = 0, off[E] = R (``moe_permute``). Not
+            validated on the device (that would synchronise); rows outside [0, off[E]) are left unwritten.
+        fuse_swiglu: apply the clamped SwiGLU (N even); swiglu_limit: its clamp (10.0 for V4.1) or None.
+        row_scale: [R] floating point per-row factor (the routing weight of the row's (token, expert) pair).
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        [R, N] (or [R, N/2] with ``fuse_swiglu``) in ``out_dtype``. Rows are independent (batch-invariant
+        GPU backends use a tiling that does not depend on R or on the offsets).
+    """
+    op = "mxfp4_grouped_gemm"
+    _check_weights(op, x, w, w_scale, fuse_swiglu)
+    if expert_offsets.dim() != 1 or expert_offsets.shape[0] != w.shape[0] + 1 or expert_offsets.is_floating_point():
+        raise ValueError(f"{op}: expert_offsets must be integer [{w.shape[0] + 1}], got {tuple(expert_offsets.shape)}")
+    _check_rows(op, row_scale, "row_scale", x.shape[0], integer=False)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    return dispatch(
+        op, x.device, x, w, w_scale, expert_offsets,
+        fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def mxfp4_grouped_gemm_gather(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    row_expert: torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
+    fuse_swiglu: bool = False,
+    swiglu_limit: float | None = None,
+    row_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Gathered (decode) layout: y[p] = x[row_index[p]] . W_{row_expert[p]}^T (row_index None: x[p]), with the
+    same dequantisation, fused SwiGLU and row scale as ``mxfp4_grouped_gemm``.
+
+    For top-k routing of T tokens: gate/up with row_expert = experts.flatten(), row_index = arange(T*k) // k,
+    row_scale = weights.flatten(); down projection with row_index None; then sum each token's k rows
+    (``moe_unpermute`` with the identity order, or a reshape [T, k, d] and a sum over k in slot order).
+
+    Args:
+        x: [R_in, K] bfloat16 (float16 / float32 accepted).
+        w, w_scale: as ``mxfp4_grouped_gemm``.
+        row_expert: [P] integer expert ids in [0, E) (not validated on the device).
+        row_index: [P] integer rows of x in [0, R_in), or None (then P = R_in).
+        fuse_swiglu, swiglu_limit, row_scale ([P]), out_dtype: as ``mxfp4_grouped_gemm``.
+
+    Returns:
+        [P, N] (or [P, N/2] with ``fuse_swiglu``) in ``out_dtype``; each row computed on its own.
+    """
+    op = "mxfp4_grouped_gemm_gather"
+    _check_weights(op, x, w, w_scale, fuse_swiglu)
+    p = row_expert.shape[0] if row_expert.dim() == 1 else -1
+    _check_rows(op, row_expert, "row_expert", p, integer=True)
+    _check_rows(op, row_index, "row_index", p, integer=True)
+    if row_index is None and p != x.shape[0]:
+        raise ValueError(f"{op}: without row_index, row_expert must have one entry per row of x ({x.shape[0]})")
+    _check_rows(op, row_scale, "row_scale", p, integer=False)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    return dispatch(
+        op, x.device, x, w, w_scale, row_expert,
+        row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+try:  # GPU backends register themselves when Triton imports
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
+
+__all__ = ["mxfp4_grouped_gemm", "mxfp4_grouped_gemm_gather"]

@@ -1,0 +1,98 @@
+"""Triton backend of ``act_quant_fp8`` (per-token FP8 quantisation of activations, power-of-two scales).
+
+Bit-exact with the reference: the scale exponent is read from the fp32 bits of max(amax, 1e-4) * fp32(1/448)
+exactly as ``formats.pow2_scale_exponent`` does, and x is multiplied by the exact power of two 2^-e (equal to
+the reference's division by 2^e) and rounded to nearest-even e4m3 in fp32 bits before the (then exact) cast. Imported by
+``ops/fp8_gemm/__init__.py`` (the consumer of these activations).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.registry import register_backend
+
+from .reference import act_quant_fp8_ref
+
+
+@triton.jit
+def _exp2_int(e):
+    """Exact fp32 2^e for int32 e in [-127, 127] (2^-127 is the subnormal 0x00400000)."""
+    bits = tl.where(e > -127, (e + 127) << 23, 0x400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 y (|y| <= 448) rounded to the nearest-even float8_e4m3fn value, still in fp32.
+
+    Done in fp32 bits so the final cast to e4m3 is exact: Triton 3.6's interpreter rounds fp32 -> fp8 wrongly
+    where the mantissa carries into the exponent (125 -> 64), and exact inputs make the cast's rounding moot.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    # normal e4m3 (|y| >= 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry bumps the exponent
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
+    # subnormal e4m3 (|y| < 2^-6): multiples of 2^-9, ties to even
+    m = tl.abs(y) * 512.0
+    f = tl.floor(m)
+    frac = m - f
+    odd = (f.to(tl.int32) & 1) == 1
+    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f) * (1.0 / 512.0)
+    # copy the sign bit (Triton's unary minus is 0 - r, which would turn -0.0 into +0.0)
+    sub = (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def _act_quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, K, G,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    ok = (g[:, None] < G) & (k < K)
+    x = tl.load(x_ptr + row * K + k, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    t = tl.maximum(amax, 1e-4) * (1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
+    bits = t.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2 t), t normal
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    y = x * _exp2_int(-e)[:, None]  # exact: same value as x / 2^e
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(q_ptr + row * K + k, _round_e4m3(y).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * G + g, _exp2_int(e), mask=g < G)
+
+
+def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act_quant_fp8`` for power-of-two ``block`` in [16, 1024]; other blocks go to the reference."""
+    if block & (block - 1) or not 16 <= block <= 1024 or x.dtype == torch.float64:
+        return act_quant_fp8_ref(x, block)
+    k = x.shape[-1]
+    g = -(-k // block)
+    x2 = x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, g, dtype=torch.float32, device=x.device)
+    if rows and k:
+        groups = max(1, min(triton.next_power_of_2(g), 2048 // block))  # about 2048 elements a program
+        _act_quant_fp8_kernel[(rows, triton.cdiv(g, groups))](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], g)
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+register_backend(
+    "act_quant_fp8",
+    "triton",
+    act_quant_fp8_triton,
+    devices=("cuda",),
+    priority=20,
+    available=_cuda_available,
+    batch_invariant=True,  # rows are independent and there is no reduction across rows
+)

@@ -1,0 +1,209 @@
+"""Triton sparse MQA attention with sinks (CUDA backends ``triton`` and ``triton_adaptive``).
+
+Serves ``sparse_mqa_attention`` (contract in ``__init__.py``) for decode and prefill alike: every
+query row gathers its own K = V rows of the shared pool ``kv`` [N, D] through ``indices`` [T, K]
+(flat slots, -1 = padding, int64 or int32), so the op already is the paged-decode interface
+(pool + per-row slot list; FlashMLA's ``indices`` are the same flat physical slots).
+
+Kernel ``_attn_partial``: grid (T, ceil(H / BLOCK_H), n_splits). A program loads its BLOCK_H query
+heads [BLOCK_H, D] once, walks its split of the index list in BLOCK_N tiles (gather the rows,
+S = Q K^T on tensor cores, fp32 online softmax, O += P V), and either finishes the row itself (one
+split: adds the sink, normalises, writes q.dtype) or writes the unnormalised fp32 partial
+(acc [D], running max m, running sum l) per (token, head, split) for ``_attn_combine``, which folds
+the splits in split order and adds the sink.
+
+Invariance: a row's arithmetic depends only on its own q / index list, the split size and the tile
+constants, never on T. Backend ``triton`` (batch_invariant=True) always splits the list every
+``INVARIANT_SPLIT`` entries. Backend ``triton_adaptive`` (faster, not invariant) splits only when
+T alone cannot fill the GPU. P is rounded to the KV dtype for the P V product (bf16 on the real
+model), as in FlashAttention; accuracy vs the fp32 reference is ~1e-3 relative for bf16.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+INVARIANT_SPLIT = 256  # entries per split of the invariant backend (V4.1: 640 entries -> 3 splits)
+PARTIAL_BYTES = 256 << 20  # cap on the fp32 partial buffers; longer prefills run in row chunks
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps exp(m_old - m_new) NaN-free
+
+
+@triton.jit
+def _attn_partial(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
+    H, D, K, n_splits, scale,
+    q_st, q_sh, kv_s, idx_st, o_st, o_sh,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    sp = tl.program_id(2)
+    h_ok = heads < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + t * q_st + heads[:, None] * q_sh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, K)
+    for j in range(lo, hi, BLOCK_N):
+        n = j + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_ptr + t * idx_st + n, mask=n < hi, other=-1).to(tl.int64)
+        ok = slot >= 0
+        kt = tl.load(kv_ptr + slot[:, None] * kv_s + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:  # interpreter only: its bf16 dot is wrong; fp32 dots of bf16 values are exact products
+            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * scale  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p.to(kt.dtype).to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(kt.dtype), kt, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if FINAL:
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
+        top = tl.maximum(m, sink)
+        a = tl.exp(m - top)
+        o = acc * (a / (l * a + tl.exp(sink - top)))[:, None]
+        tl.store(
+            o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (t * H + heads) * n_splits + sp  # [BLOCK_H] partial row ids
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + part * 2, m, mask=h_ok)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=h_ok)
+
+
+@triton.jit
+def _attn_combine(
+    acc_ptr, ml_ptr, sink_ptr, o_ptr, H, D, n_splits, o_st, o_sh, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    base = (t * H + h) * n_splits
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    top = sink
+    for sp in range(0, n_splits):
+        top = tl.maximum(top, tl.load(ml_ptr + (base + sp) * 2))
+    denom = tl.exp(sink - top)
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for sp in range(0, n_splits):  # fixed split order: the sum's bits depend on the row alone
+        w = tl.exp(tl.load(ml_ptr + (base + sp) * 2) - top)
+        denom += tl.load(ml_ptr + (base + sp) * 2 + 1) * w
+        o += tl.load(acc_ptr + (base + sp) * D + d, mask=d_ok, other=0.0) * w
+    tl.store(o_ptr + t * o_st + h * o_sh + d, (o / denom).to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def launch(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float, *,
+    split: int | None, block_h: int = 32, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
+) -> torch.Tensor:  # fmt: skip
+    """Run the kernels. ``split``: entries per split (a multiple of ``block_n``), or None for one pass
+    per row. The tile arguments are exposed for the benchmark's sweep; the backends fix them."""
+    require_same_device(q, kv, indices, sinks)
+    t, h, d = q.shape
+    k = indices.shape[1]
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0 or d == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    indices = indices.contiguous()
+    sinks = sinks.float().contiguous()
+    block_h = max(16, min(block_h, triton.next_power_of_2(h)))  # tl.dot needs M >= 16 (padded heads)
+    block_d = triton.next_power_of_2(d)
+    prec = "ieee" if q.dtype == torch.float32 or kv.dtype == torch.float32 else "tf32"  # tf32: unused for bf16
+    kv = kv.to(q.dtype) if kv.dtype != q.dtype else kv
+    if split is not None and split % block_n:
+        raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
+    n_splits = 1 if split is None else triton.cdiv(k, split)
+    span = k if split is None else split
+    span = triton.cdiv(span, block_n) * block_n
+    final = split is None
+    rows = t if final else max(1, min(t, PARTIAL_BYTES // (h * n_splits * d * 4)))
+    acc = ml = out  # dummies for the single-pass launch
+    if not final:
+        acc = torch.empty(rows, h, n_splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(rows, h, n_splits, 2, dtype=torch.float32, device=q.device)
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        qc, ic, oc = q[r0:r1], indices[r0:r1], out[r0:r1]
+        grid = (r1 - r0, triton.cdiv(h, block_h), n_splits)
+        _attn_partial[grid](
+            qc, kv, ic, sinks, oc, acc, ml, h, d, k, n_splits, float(scale),
+            qc.stride(0), qc.stride(1), kv.stride(0), ic.stride(0), oc.stride(0), oc.stride(1),
+            SPLIT=span, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FINAL=final, DOT_PREC=prec,
+            UPCAST=interpreting() and prec != "ieee",
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        if not final:
+            _attn_combine[(r1 - r0, h)](
+                acc, ml, sinks, oc, h, d, n_splits, oc.stride(0), oc.stride(1), BLOCK_D=block_d, num_warps=4
+            )
+    return out
+
+
+# Tile configs (block_h, block_n, num_warps, num_stages), from the H200 sweep in bench_sparse_mqa_attention.py.
+INVARIANT_TILE = (32, 64, 8, 2)  # one config for every T: the tiles shape a row's arithmetic
+DECODE_TILE = (32, 64, 8, 2)
+PREFILL_TILE = (64, 32, 8, 1)  # 64 heads per program: each gathered row is read once per query
+PREFILL_ROWS = 1024
+
+
+def _run(q, kv, indices, sinks, scale, split, tile):
+    block_h, block_n, warps, stages = tile
+    return launch(
+        q, kv, indices, sinks, scale, split=split, block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages
+    )
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index is not None else 1
+
+
+def sparse_mqa_attention_triton(q, kv, indices, sinks, scale):
+    """Batch-invariant: always the same split of the index list and the same tiles, whatever T is."""
+    return _run(q, kv, indices, sinks, scale, INVARIANT_SPLIT, INVARIANT_TILE)
+
+
+def sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale):
+    """Split the list only when the rows alone leave most SMs idle (decode at small batch); wide tiles
+    for prefill. Not batch-invariant: a row's bits depend on T through these choices."""
+    t, h = q.shape[0], q.shape[1]
+    if t >= PREFILL_ROWS:
+        return _run(q, kv, indices, sinks, scale, None, PREFILL_TILE)
+    sms = _sm_count(q.device.index if q.is_cuda else None)
+    if 2 * t * triton.cdiv(h, DECODE_TILE[0]) >= sms:  # H200 sweep: one pass wins from about batch 64
+        return _run(q, kv, indices, sinks, scale, None, DECODE_TILE)
+    return _run(q, kv, indices, sinks, scale, INVARIANT_SPLIT, INVARIANT_TILE)
+
+
+register_backend(
+    "sparse_mqa_attention", "triton", sparse_mqa_attention_triton, devices=("cuda",), priority=20,
+    available=triton_cuda_available, batch_invariant=True,
+)  # fmt: skip
+register_backend(
+    "sparse_mqa_attention", "triton_adaptive", sparse_mqa_attention_triton_adaptive, devices=("cuda",),
+    priority=30, available=triton_cuda_available, batch_invariant=False,
+)  # fmt: skip

@@ -1,0 +1,47 @@
+"""Run test cases under Triton's CPU interpreter in a fresh Python process.
+
+``TRITON_INTERPRET=1`` is read when ``@triton.jit`` decorates a function (triton.language's own helpers
+included), so it cannot be switched on inside a process that already imported Triton for the GPU. The
+interpreted cases of a test file therefore run in one child process: the file is executed there with
+``runpy`` and each case (a function of the file and plain, repr-able arguments) is called in turn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+_CHILD = """
+import json, runpy, sys, traceback
+ns = runpy.run_path({path!r})
+for key, (func, args) in {cases!r}.items():
+    try:
+        ns[func](*args)
+        res = {{"key": key, "ok": True}}
+    except BaseException:
+        res = {{"key": key, "ok": False, "error": traceback.format_exc()[-4000:]}}
+    print("@@case " + json.dumps(res), flush=True)
+"""
+
+
+def triton_importable() -> bool:
+    """True when the ``triton`` package can be imported (the interpreter needs no GPU)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def run_interpreted_cases(path: str, cases: dict[str, tuple[str, tuple]], timeout: float = 900.0) -> dict[str, str]:
+    """Run ``func(*args)`` for every ``key: (func, args)`` of ``cases`` from the Python file ``path`` in one
+    child process with ``TRITON_INTERPRET=1`` and no visible GPU. Returns key -> "" (passed) or the error
+    text (failed, or never reached because the child died)."""
+    code = _CHILD.format(path=path, cases=cases)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    results = {key: f"child exited with {proc.returncode} before this case:\n{proc.stderr[-4000:]}" for key in cases}
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@case "):
+            res = json.loads(line[len("@@case ") :])
+            results[res["key"]] = "" if res["ok"] else res["error"]
+    return results

@@ -1,0 +1,204 @@
+"""fp8_gemm_nt (block-scaled FP8 GEMM) and the Triton act_quant_fp8.
+
+(a) the reference against a float64 formulation written here (E4M3 bytes decoded through float64, scales
+expanded by hand); (b) the Triton kernels under TRITON_INTERPRET=1 on small CPU shapes (child processes:
+see ``deepinfer_kernels.testing.triton_interpreter``); (c) GPU tests at V4.1-Flash / V4-Flash shapes and the
+batch-invariance of the ``triton_fixed`` backend (row r alone == row r among 64 rows, bitwise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
+from deepinfer_kernels.ops.quant import act_quant_fp8, fp8_block_quantize
+from deepinfer_kernels.registry import reference
+from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
+from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases, triton_importable
+
+needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+
+# (N, K) of the V4.1-Flash dense projections (hidden 5120): wq_a, wq_b, wkv, wo_b, shared w1/w3, shared w2,
+# indexer wq_b; all MXFP8 (block 32). V4-Flash (hidden 4096, 128x128 blocks): wq_a and the shared w2.
+V41_SHAPES = [(1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (2304, 5120), (5120, 2304), (4096, 1280)]
+V4_SHAPES = [(1024, 4096), (4096, 2048)]
+
+
+def make_operands(m, n, k, block, scale_fmt, seed, device="cpu"):
+    """Random activations and weights whose magnitudes vary by powers of two across scale blocks (so a
+    scale applied to the wrong block shows), quantised with the quant ops."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-3, 4, (m, k // block), generator=g).repeat_interleave(
+        block, 1
+    )
+    gn = -(-n // block)
+    wmag = 2.0 ** torch.randint(-6, 0, (gn, k // block), generator=g)
+    w = torch.randn(n, k, generator=g) * wmag.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)
+    a, sa = act_quant_fp8(x.to(device), block)
+    b, sb = fp8_block_quantize(w.to(device), (block, block), scale_fmt)
+    return a, sa, b, sb
+
+
+def gemm_float64(a, sa, b, sb, block):
+    """Independent formulation: every factor decoded to float64 and expanded with explicit index maps."""
+    from deepinfer_kernels.ops.quant.formats import ue8m0_bytes_to_float
+
+    def f64(s):
+        return ue8m0_bytes_to_float(s).double() if s.dtype in (torch.float8_e8m0fnu, torch.uint8) else s.double()
+
+    m, k = a.shape
+    n = b.shape[0]
+    kk = torch.arange(k)
+    a64 = a.double() * f64(sa)[:, kk // block]
+    b64 = b.double() * f64(sb)[torch.arange(n)[:, None] // block, kk[None, :] // block]
+    return a64 @ b64.T
+
+
+# ---------------------------------------------------------------- (a) reference
+
+
+@pytest.mark.parametrize("block,scale_fmt", [(128, "float"), (128, "ue8m0"), (32, "ue8m0")])
+def test_reference_matches_float64(block, scale_fmt):
+    a, sa, b, sb = make_operands(7, 80, 4 * block, block, scale_fmt, seed=block)
+    got = reference("fp8_gemm_nt")(a, sa, b, sb, block, torch.float32)
+    assert_rel_close(got, gemm_float64(a, sa, b, sb, block).float(), 1e-6, "reference vs float64")
+    # the public entry point on CPU is the reference; bf16 output is the rounded fp32 one
+    assert_bitwise(fp8_gemm_nt(a, sa, b, sb, block), got.to(torch.bfloat16), "public bf16")
+
+
+def test_reference_leading_dims_and_uint8_scales():
+    a, sa, b, sb = make_operands(6, 64, 256, 32, "ue8m0", seed=3)
+    flat = fp8_gemm_nt(a, sa, b, sb, 32, torch.float32)
+    got = fp8_gemm_nt(a.view(2, 3, 256), sa.view(2, 3, 8), b, sb.view(torch.uint8), 32, torch.float32)
+    assert_bitwise(got.view(6, 64), flat, "leading dims / uint8 scales")
+
+
+def test_validation():
+    a, sa, b, sb = make_operands(2, 64, 256, 128, "ue8m0", seed=4)
+    with pytest.raises(ValueError, match="block"):
+        fp8_gemm_nt(a, sa, b, sb, 64)
+    with pytest.raises(ValueError, match="a_scale"):
+        fp8_gemm_nt(a, sa[:, :1], b, sb, 128)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm_nt(a.float(), sa, b, sb, 128)
+
+
+# ---------------------------------------------------------------- (b) Triton interpreter
+
+
+def _interp_fp8_gemm(block: int, scale_fmt: str, m: int, n: int, k: int) -> None:
+    """Runs in a TRITON_INTERPRET=1 child: both Triton variants vs the reference on CPU tensors."""
+    from deepinfer_kernels.ops.fp8_gemm import triton as backend
+
+    a, sa, b, sb = make_operands(m, n, k, block, scale_fmt, seed=m + n + k)
+    print("config (fixed):", backend._config(None, n, k, block))
+    ref32 = reference("fp8_gemm_nt")(a, sa, b, sb, block, torch.float32)
+    for fn in (backend.fp8_gemm_nt_triton, backend.fp8_gemm_nt_triton_fixed):
+        out = fn(a, sa, b, sb, block, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert_rel_close(out, ref32, 1e-2, f"{fn.__name__} bf16")
+        assert_rel_close(fn(a, sa, b, sb, block, torch.float32), ref32, 1e-5, f"{fn.__name__} fp32")
+    print("ok")
+
+
+def _interp_act_quant(block: int, k: int) -> None:
+    from deepinfer_kernels.ops.quant import triton as backend
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3, 2, k, generator=g) * 2.0 ** torch.randint(-20, 20, (3, 2, 1), generator=g)
+    x[0, 0, :5] = 0.0  # zeros, a negative zero, and a whole zero block (the 1e-4 floor)
+    x[0, 1, 3] = -0.0
+    x[1, 1, :block] = 0.0
+    x[2, 0, 7] = -1e-30 * x[2, 0].abs().max()  # rounds to -0
+    for dtype in (torch.float32, torch.bfloat16):
+        q, s = backend.act_quant_fp8_triton(x.to(dtype), block)
+        q_ref, s_ref = reference("act_quant_fp8")(x.to(dtype), block)
+        assert_bitwise(s, s_ref, f"scales {dtype}")
+        assert_bitwise(q.view(torch.uint8), q_ref.view(torch.uint8), f"codes {dtype}")
+    print("ok")
+
+
+INTERPRETED = {
+    "gemm-128-ue8m0": ("_interp_fp8_gemm", (128, "ue8m0", 5, 96, 256)),
+    "gemm-128-float-M70": ("_interp_fp8_gemm", (128, "float", 70, 64, 384)),
+    "gemm-32-ue8m0-split4": ("_interp_fp8_gemm", (32, "ue8m0", 3, 80, 512)),  # K split in 4
+    "act_quant-128": ("_interp_act_quant", (128, 256)),
+    "act_quant-32-partial": ("_interp_act_quant", (32, 200)),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """All interpreted cases of this file, run once in one TRITON_INTERPRET=1 child process."""
+    return run_interpreted_cases(__file__, INTERPRETED)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(INTERPRETED))
+def test_triton_interpreted(interpreted, case):
+    assert not interpreted[case], interpreted[case]
+
+
+# ---------------------------------------------------------------- (c) GPU
+
+
+def _backends():
+    from deepinfer_kernels.ops.fp8_gemm import triton as backend
+
+    return backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,shape", [(32, s) for s in V41_SHAPES] + [(128, s) for s in V4_SHAPES])
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_gpu_real_shapes(block, shape, m):
+    backend = _backends()
+    n, k = shape
+    a, sa, b, sb = make_operands(m, n, k, block, "ue8m0", seed=n * 7 + k + m, device="cuda")
+    ref = reference("fp8_gemm_nt")(a, sa, b, sb, block, torch.float32)
+    for fn in (backend.fp8_gemm_nt_triton, backend.fp8_gemm_nt_triton_fixed):
+        assert_rel_close(fn(a, sa, b, sb, block, torch.bfloat16), ref, 1e-2, f"{fn.__name__} {m}x{n}x{k}")
+        # Hopper's FP8 MMA accumulates inside one K-block with fewer than fp32's mantissa bits (measured
+        # 4.7e-5 at K = 5120): the per-block fp32 promotion bounds it, hence 2e-4 rather than fp32's 1e-5
+        assert_rel_close(fn(a, sa, b, sb, block, torch.float32), ref, 2e-4, f"{fn.__name__} fp32 {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,shape", [(32, (1280, 5120)), (32, (5120, 2304)), (128, (4096, 2048))])
+def test_gpu_batch_invariant(block, shape):
+    backend = _backends()
+    n, k = shape
+    a, sa, b, sb = make_operands(64, n, k, block, "ue8m0", seed=11, device="cuda")
+    full = backend.fp8_gemm_nt_triton_fixed(a, sa, b, sb, block)
+    for r in (0, 17, 63):
+        one = backend.fp8_gemm_nt_triton_fixed(a[r : r + 1], sa[r : r + 1], b, sb, block)
+        assert_bitwise(one[0], full[r], f"row {r} alone vs among 64")
+    sub = backend.fp8_gemm_nt_triton_fixed(a[5:13], sa[5:13], b, sb, block)
+    assert_bitwise(sub, full[5:13], "rows 5..12 among 8 vs among 64")
+
+
+@pytest.mark.gpu
+def test_gpu_registry_choice():
+    from deepinfer_kernels.registry import resolve, set_batch_invariant
+
+    backend = _backends()
+    try:
+        set_batch_invariant(True)
+        assert resolve("fp8_gemm_nt", "cuda") is backend.fp8_gemm_nt_triton_fixed
+        set_batch_invariant(False)
+        assert resolve("fp8_gemm_nt", "cuda") is backend.fp8_gemm_nt_triton
+    finally:
+        set_batch_invariant(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [32, 128])
+def test_gpu_act_quant_bitwise(block):
+    from deepinfer_kernels.ops.quant import triton as qbackend
+
+    g = torch.Generator().manual_seed(block)
+    x = (torch.randn(300, 5120, generator=g) * 3).to(torch.bfloat16).cuda()
+    q, s = qbackend.act_quant_fp8_triton(x, block)
+    q_ref, s_ref = reference("act_quant_fp8")(x, block)
+    assert_bitwise(s, s_ref, "scales")
+    assert_bitwise(q.view(torch.uint8), q_ref.view(torch.uint8), "codes")

@@ -1,0 +1,240 @@
+"""MXFP4 expert GEMMs: contiguous (prefill) and gathered (decode) layouts, fused clamped SwiGLU.
+
+(a) the references against a float64 formulation written here (codes decoded through a table of E2M1 values,
+scales 2^(byte-127), explicit loops over experts), the two layouts against each other, and a whole MoE
+layer (permute -> gate/up -> down -> unpermute) against ``moe_experts``; (b) the Triton kernels under
+TRITON_INTERPRET=1 on small CPU shapes (child processes); (c) GPU tests at V4.1-Flash shapes (hidden 5120,
+384 experts of width 2304, top-6, swiglu_limit 10) and bitwise row invariance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_kernels.ops.moe import moe_experts
+from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
+from deepinfer_kernels.ops.quant.formats import E2M1_VALUES
+from deepinfer_kernels.registry import reference
+from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
+from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases, triton_importable
+
+needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+LIMIT = 10.0  # swiglu_limit of V4 / V4.1
+HIDDEN, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6  # V4.1-Flash
+
+
+def make_weights(e, n, k, seed, device="cpu", scale_lo=118, scale_hi=124):
+    """Random packed E2M1 bytes (every byte is two valid codes) and UE8M0 scale bytes around 2^-6."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8, device=device).view(torch.int8)
+    s = torch.randint(scale_lo, scale_hi, (e, n, k // 32), generator=g, dtype=torch.uint8, device=device)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def dense_float64(w, s):
+    """Independent decode: [E, N, K] float64 from bytes (low nibble = even column) and scale bytes."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    u = w.view(torch.uint8).long().cpu()
+    codes = torch.empty(*u.shape[:-1], 2 * u.shape[-1], dtype=torch.long)
+    codes[..., 0::2] = u & 15
+    codes[..., 1::2] = u >> 4
+    scale = torch.pow(2.0, s.view(torch.uint8).cpu().double() - 127)
+    return lut[codes] * scale.repeat_interleave(32, dim=-1)
+
+
+def swiglu64(y, limit):
+    half = y.shape[-1] // 2
+    gate, up = y[..., :half].clamp(max=limit), y[..., half:].clamp(-limit, limit)
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+def routing(t, e, k, seed, device="cpu"):
+    """top-k distinct experts per token and positive weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    experts = torch.rand(t, e, generator=g, device=device).argsort(dim=1)[:, :k]
+    weights = torch.rand(t, k, generator=g, device=device) + 0.1
+    return experts, weights
+
+
+# ---------------------------------------------------------------- (a) references
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_grouped_reference_matches_float64(fuse):
+    e, n, k, rows = 3, 64, 96, 11
+    w, s = make_weights(e, n, k, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, k, generator=g) * 8  # large enough that the clamp at 10 bites
+    offsets = torch.tensor([0, 4, 4, rows])  # expert 1 owns no rows
+    rs = torch.rand(rows, generator=g)
+    got = mxfp4_grouped_gemm(x, w, s, offsets, fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=rs,
+                             out_dtype=torch.float32)  # fmt: skip
+    wd = dense_float64(w, s)
+    expert_of_row = [0] * 4 + [2] * 7
+    y = torch.stack([x[r].double() @ wd[expert_of_row[r]].T for r in range(rows)])
+    want = (swiglu64(y, LIMIT) if fuse else y) * rs.double()[:, None]
+    assert_rel_close(got, want.float(), 1e-5, "grouped reference vs float64")
+
+
+def test_gather_equals_grouped_reference():
+    """The same pairs through both layouts give the same bits (both use the row-invariant linear_ref)."""
+    t, e, k, d, inter = 9, 5, 2, 64, 32
+    w, s = make_weights(e, 2 * inter, d, seed=3)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    experts, weights = routing(t, e, k, seed=5)
+    xs, order, offsets = moe_permute(x, experts, e)
+    grouped = mxfp4_grouped_gemm(xs, w, s, offsets, fuse_swiglu=True, swiglu_limit=LIMIT,
+                                 row_scale=weights.flatten()[order], out_dtype=torch.float32)  # fmt: skip
+    gathered = mxfp4_grouped_gemm_gather(x, w, s, experts.flatten(), row_index=torch.arange(t * k) // k,
+                                         fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten(),
+                                         out_dtype=torch.float32)  # fmt: skip
+    assert_bitwise(gathered[order], grouped, "gathered rows (sorted) vs grouped rows")
+
+
+def test_moe_layer_matches_moe_experts():
+    t, e, k, d, inter = 13, 6, 3, 64, 32
+    w13, s13 = make_weights(e, 2 * inter, d, seed=6)
+    w2, s2 = make_weights(e, d, inter, seed=7, scale_lo=122, scale_hi=128)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(8)) * 4
+    experts, weights = routing(t, e, k, seed=9)
+    xs, order, offsets = moe_permute(x, experts, e)
+    h = mxfp4_grouped_gemm(xs, w13, s13, offsets, fuse_swiglu=True, swiglu_limit=LIMIT,
+                           row_scale=weights.flatten()[order], out_dtype=torch.float32)  # fmt: skip
+    y = mxfp4_grouped_gemm(h, w2, s2, offsets, out_dtype=torch.float32)
+    out = moe_unpermute(y, order, t)
+    deq = reference("mxfp4_dequantize")
+    w13d = torch.stack([deq(w13[i], s13[i]) for i in range(e)])
+    w2d = torch.stack([deq(w2[i], s2[i]) for i in range(e)])
+    want = moe_experts(x, experts, weights, w13d, w2d, swiglu_limit=LIMIT)
+    assert_rel_close(out, want, 1e-5, "permute/grouped/unpermute vs moe_experts")
+
+
+def test_validation():
+    w, s = make_weights(2, 64, 64, seed=10)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        mxfp4_grouped_gemm(x, w, s, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="w_scale"):
+        mxfp4_grouped_gemm(x, w, s[:, :, :1], torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="row_index"):
+        mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), row_index=torch.tensor([0.0, 1.0]))
+
+
+# ---------------------------------------------------------------- (b) Triton interpreter
+
+
+def _interp_grouped(fuse: bool, k: int) -> None:
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as backend
+
+    e, inter, t, top = 5, 48, 9, 2
+    n = 2 * inter if fuse else 80
+    w, s = make_weights(e, n, k, seed=k + fuse)
+    x = (torch.randn(t, k, generator=torch.Generator().manual_seed(1)) * 6).to(torch.bfloat16)
+    experts, weights = routing(t, e - 1, top, seed=2)  # the last expert owns no rows
+    xs, order, offsets = moe_permute(x, experts, e)
+    rs = weights.flatten()[order]
+    for out_dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        kw = dict(fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=rs, out_dtype=out_dtype)
+        ref = reference("mxfp4_grouped_gemm")(xs, w, s, offsets, **{**kw, "out_dtype": torch.float32})
+        assert_rel_close(backend.mxfp4_grouped_gemm_triton(xs, w, s, offsets, **kw), ref, tol, f"grouped {out_dtype}")
+    # gathered layout: token-major x with row_index, and pair-major rows without it
+    idx = torch.arange(t * top) // top
+    kw = dict(row_index=idx, fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=weights.flatten())
+    ref = reference("mxfp4_grouped_gemm_gather")(x, w, s, experts.flatten(), **kw, out_dtype=torch.float32)
+    got = backend.mxfp4_grouped_gemm_gather_triton(x, w, s, experts.flatten(), **kw, out_dtype=torch.float32)
+    assert_rel_close(got, ref, 1e-5, "gather with row_index")
+    ref = reference("mxfp4_grouped_gemm_gather")(xs, w, s, experts.flatten()[order], fuse_swiglu=fuse)
+    got = backend.mxfp4_grouped_gemm_gather_triton(xs, w, s, experts.flatten()[order], fuse_swiglu=fuse)
+    assert_rel_close(got, ref.float(), 1e-2, "gather without row_index, bf16, no clamp")
+    print("ok")
+
+
+INTERPRETED = {"swiglu-K128": ("_interp_grouped", (True, 128)), "plain-K96": ("_interp_grouped", (False, 96))}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """All interpreted cases of this file, run once in one TRITON_INTERPRET=1 child process."""
+    return run_interpreted_cases(__file__, INTERPRETED)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(INTERPRETED))
+def test_triton_interpreted(interpreted, case):
+    assert not interpreted[case], interpreted[case]
+
+
+# ---------------------------------------------------------------- (c) GPU, V4.1-Flash shapes
+
+
+@pytest.fixture(scope="module")
+def v41_experts():
+    w13, s13 = make_weights(EXPERTS, 2 * INTER, HIDDEN, seed=21, device="cuda")
+    w2, s2 = make_weights(EXPERTS, HIDDEN, INTER, seed=22, device="cuda", scale_lo=120, scale_hi=126)
+    return w13, s13, w2, s2
+
+
+def _tokens(t, seed):
+    x = (torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16).cuda()
+    experts, weights = routing(t, EXPERTS, TOP_K, seed=seed + 1)
+    return x, experts.cuda(), weights.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 700])
+def test_gpu_grouped_real_shapes(v41_experts, t):
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as backend
+
+    w13, s13, w2, s2 = v41_experts
+    x, experts, weights = _tokens(t, seed=t)
+    xs, order, offsets = moe_permute(x, experts, EXPERTS)
+    kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
+    h = backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw)
+    h_ref = reference("mxfp4_grouped_gemm")(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    assert_rel_close(h, h_ref, 1e-2, f"gate/up + swiglu, {t} tokens")
+    y = backend.mxfp4_grouped_gemm_triton(h, w2, s2, offsets)
+    y_ref = reference("mxfp4_grouped_gemm")(h, w2, s2, offsets, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref, 1e-2, f"down, {t} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_gpu_gather_real_shapes(v41_experts, t):
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as backend
+
+    w13, s13, w2, s2 = v41_experts
+    x, experts, weights = _tokens(t, seed=100 + t)
+    ids = experts.flatten()
+    kw = dict(row_index=torch.arange(t * TOP_K, device="cuda") // TOP_K, fuse_swiglu=True, swiglu_limit=LIMIT,
+              row_scale=weights.flatten())  # fmt: skip
+    h = backend.mxfp4_grouped_gemm_gather_triton(x, w13, s13, ids, **kw)
+    h_ref = reference("mxfp4_grouped_gemm_gather")(x, w13, s13, ids, **kw, out_dtype=torch.float32)
+    assert_rel_close(h, h_ref, 1e-2, f"gather gate/up, {t} tokens")
+    y = backend.mxfp4_grouped_gemm_gather_triton(h, w2, s2, ids)
+    y_ref = reference("mxfp4_grouped_gemm_gather")(h, w2, s2, ids, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref, 1e-2, f"gather down, {t} tokens")
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant(v41_experts):
+    """A token's rows alone (M = 1 token) equal its rows among 64 tokens, bitwise, in both layouts."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as backend
+
+    w13, s13, _, _ = v41_experts
+    x, experts, weights = _tokens(64, seed=7)
+    xs, order, offsets = moe_permute(x, experts, EXPERTS)
+    full = backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, fuse_swiglu=True, swiglu_limit=LIMIT)
+    ids = experts.flatten()
+    gfull = backend.mxfp4_grouped_gemm_gather_triton(x, w13, s13, ids, row_index=torch.arange(384, device="cuda") // 6,
+                                                     fuse_swiglu=True, swiglu_limit=LIMIT)  # fmt: skip
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device="cuda")
+    for tok in (0, 31, 63):
+        xs1, order1, offsets1 = moe_permute(x[tok : tok + 1], experts[tok : tok + 1], EXPERTS)
+        one = backend.mxfp4_grouped_gemm_triton(xs1, w13, s13, offsets1, fuse_swiglu=True, swiglu_limit=LIMIT)
+        assert_bitwise(one[torch.argsort(order1)], full[pos[tok * 6 : tok * 6 + 6]], f"grouped token {tok}")
+        g1 = backend.mxfp4_grouped_gemm_gather_triton(x[tok : tok + 1], w13, s13, ids[tok * 6 : tok * 6 + 6],
+                                                      row_index=torch.zeros(6, dtype=torch.long, device="cuda"),
+                                                      fuse_swiglu=True, swiglu_limit=LIMIT)  # fmt: skip
+        assert_bitwise(g1, gfull[tok * 6 : tok * 6 + 6], f"gather token {tok}")

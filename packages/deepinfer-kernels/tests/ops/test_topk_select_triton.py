@@ -1,0 +1,116 @@
+"""topk_select: the reference's contract (against indexer_topk's reference), and the Triton radix
+select under the interpreter on CPU at small shapes and on CUDA at indexer shapes (k = 512 of
+N = 8K..128K). Selection is exact, so every comparison is bitwise equality of the index rows,
+including ties (lower index wins), -inf / NaN / masked entries and rows with fewer than k entries."""
+
+import pytest
+import torch
+from deepinfer_kernels.ops.indexer.reference import indexer_topk_ref  # noqa: E402
+from deepinfer_kernels.ops.topk_select import topk_select  # noqa: E402
+from deepinfer_kernels.ops.topk_select.reference import topk_select_ref  # noqa: E402
+
+
+def _hard_rows(n: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows exercising every rule: distinct floats, heavy ties, ties straddling the k boundary,
+    signed zeros, NaN / -inf, all -inf, short lengths (0, < k), negative-only scores, huge / tiny
+    magnitudes (all radix digits matter)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(12, n, generator=g, device=device)
+    x[1] = torch.randint(-4, 4, (n,), generator=g, device=device).float()  # few distinct values
+    x[2] = 1.0
+    x[2, n // 2 :] = 2.0  # the boundary falls inside a run of ties
+    x[3] = 0.0
+    x[3, ::2] = -0.0
+    x[3, ::5] = -1.0
+    x[4, ::3] = float("nan")
+    x[4, 1::3] = float("-inf")
+    x[5] = float("-inf")
+    x[6] = -x[6].abs() - 1.0
+    x[7] = x[7] * 1e30
+    x[7, ::4] = x[7, ::4] * 1e-60
+    x[8, ::7] = float("inf")
+    x[9] = 1.0 + torch.randint(0, 3, (n,), generator=g, device=device).float() * 2**-20  # last bits decide
+    lengths = torch.full((12,), n, dtype=torch.int64, device=device)
+    lengths[0], lengths[1], lengths[10], lengths[11] = n // 3, 7, 0, n + 100  # past the end = all
+    return x, lengths
+
+
+def test_reference_matches_indexer_topk_and_breaks_ties_by_index():
+    x, lengths = _hard_rows(300, 0)
+    got = topk_select_ref(x, 40, lengths)
+    x[9] = torch.randn(300)  # indexer_topk leaves ties unspecified: compare its sets on tie-free rows
+    want = indexer_topk_ref(x[None], lengths[None], 40)[0]
+    for r in (0, 4, 5, 6, 7, 10, 11):
+        assert torch.equal(got[r], want[r]), f"row {r}"
+    assert got[2].tolist() == list(range(150, 190)), "ties at the boundary: lowest indices of the 2.0 run"
+    assert got[1][:7].tolist() == sorted(got[1][:7].tolist()) and (got[1][7:] == -1).all()
+    assert (got[5] == -1).all() and (got[10] == -1).all()
+    zeros = topk_select_ref(x[3:4], 300)[0]
+    assert (zeros >= 0).sum() == 300, "-0.0 and +0.0 are selectable"
+    assert topk_select(x, 0).shape == (12, 0) and topk_select(x, 1000, lengths).shape == (12, 300)
+
+
+triton = pytest.importorskip("triton")
+from deepinfer_kernels.ops.topk_select.triton import topk_select_triton  # noqa: E402
+from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases  # noqa: E402
+
+
+def _interp_matches_reference(k: int, with_lengths: bool) -> None:
+    x, lengths = _hard_rows(3000, k)
+    lengths = lengths if with_lengths else None
+    assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths))
+
+
+def _interp_strided_rows_and_invariance() -> None:
+    x, lengths = _hard_rows(2100, 3)
+    wide = torch.zeros(12, 2500)
+    wide[:, :2100] = x
+    view = wide[:, :2100]  # row stride 2500
+    batch = topk_select_triton(view, 64, lengths)
+    assert torch.equal(batch, topk_select_ref(x, 64, lengths))
+    assert torch.equal(topk_select_triton(x[9:10], 64, lengths[9:10])[0], batch[9])
+
+
+INTERP_CASES = {
+    f"k{k}-{'lengths' if lens else 'full'}": ("_interp_matches_reference", (k, lens))
+    for k in (1, 16, 512, 5000)
+    for lens in (True, False)
+}
+INTERP_CASES["strided-invariance"] = ("_interp_strided_rows_and_invariance", ())
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every interpreter case, run once in a child process with TRITON_INTERPRET=1 (testing/triton_interpreter.py)."""
+    return run_interpreted_cases(__file__, INTERP_CASES)
+
+
+@pytest.mark.parametrize("case", list(INTERP_CASES))
+def test_interpreter(interpreted, case):
+    assert not interpreted[case], interpreted[case]
+
+
+# ---- CUDA, indexer shapes -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8192, 32768, 131072])
+def test_gpu_matches_reference(n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.relu(torch.randn(64, n, generator=g, device="cuda")) * 3  # ReLU-weighted sums: zeros tie
+    x = x.to(torch.bfloat16).float()  # bf16-rounded scores: many exact ties at every magnitude
+    lengths = torch.randint(0, n + 1, (64,), generator=g, device="cuda")
+    lengths[:4] = torch.tensor([0, 100, 511, 512])
+    mask = torch.rand(64, n, generator=g, device="cuda") < 0.9
+    x = x.masked_fill(~mask, float("-inf"))  # the V4.1 candidate mask arrives as -inf
+    out = topk_select_triton(x, 512, lengths)
+    assert torch.equal(out, topk_select_ref(x, 512, lengths))
+    for r in (0, 3, 40):
+        assert torch.equal(topk_select_triton(x[r : r + 1].clone(), 512, lengths[r : r + 1])[0], out[r]), r
+
+
+@pytest.mark.gpu
+def test_gpu_hard_rows():
+    x, lengths = _hard_rows(50000, 1, device="cuda")
+    for k in (1, 512, 2048, 60000):
+        assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths)), k
