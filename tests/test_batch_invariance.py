@@ -34,6 +34,7 @@ def _run(path, others: int, budget: int, seed: int, temperature: float, device: 
         max_num_batched_tokens=budget,
         batch_invariant=True,
         log_stats=False,
+        kv_cache_memory=1 << 30,  # several engines share one GPU in this process; the pools take the budget
         **({"yoco_mode": "off"} if path.name == "v4.1" else {}),
     )
     g = torch.Generator().manual_seed(100 + others)

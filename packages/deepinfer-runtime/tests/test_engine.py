@@ -23,14 +23,16 @@ def v41_dir(tmp_path_factory):
 
 def _small_llm(path, **kw):
     # 24-token steps force chunked prefill and mixed prefill/decode steps; the KV budgets below (6 request slots
-    # + 20 blocks = 160 tokens of growth) fit the largest request alone but not all of them: preemption happens
-    opts = dict(dtype="float32", device="cpu", max_num_seqs=6, max_num_batched_tokens=24, block_size=8, log_stats=False)
+    # + 6 prefix snapshots + 10 blocks of 16 = 160 tokens of growth) fit the largest request alone but not all of
+    # them: preemption happens (and a recomputed request may hit its own cached blocks)
+    opts = dict(dtype="float32", device="cpu", max_num_seqs=6, max_num_batched_tokens=24, log_stats=False)
     opts.update(kw)
     return LLM(model=path, **opts)
 
 
 def test_v41_greedy_batch_equals_reference_alone(v41_dir):
-    llm = _small_llm(v41_dir, yoco_mode="off", kv_cache_memory=960_000)
+    llm = _small_llm(v41_dir, yoco_mode="off", kv_cache_memory=12 * 118_808 + 160 * 1536)
+    assert llm.budget.num_tokens == 160
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the budget should have forced preemption"
@@ -48,7 +50,8 @@ def test_v4_greedy_batch_equals_transformers_alone(tiny_v4_dirs):
     from transformers import DeepseekV4ForCausalLM
 
     path = tiny_v4_dirs["mixed"]
-    llm = _small_llm(path, kv_cache_memory=153_000)
+    llm = _small_llm(path, kv_cache_memory=12 * 21_760 + 160 * 136)
+    assert llm.budget.num_tokens == 160
     prompts = _prompts(seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the budget should have forced preemption"
@@ -104,6 +107,8 @@ def test_outputs_text_stop_and_n(v41_dir):
             "The capital of France is", SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False
         )[0].outputs[0]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == c.text[: c.text.index(stop)]
+    truncated = llm.generate("Hi", SamplingParams(prompt_logprobs=1), use_tqdm=False)[0]
+    assert "yoco_mode" in truncated.error  # compact mode computes no decoder rows for most prompt tokens
     many = llm.generate("Hi", SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=4), use_tqdm=False)[0]
     assert [o.index for o in many.outputs] == [0, 1, 2] and len({tuple(o.token_ids) for o in many.outputs}) > 1
     tok = llm.generate(
@@ -122,8 +127,6 @@ def test_bad_requests_do_not_take_the_others_down(v41_dir, tmp_path):
     assert len(outs[2].outputs[0].token_ids) == 3 and outs[2].error is None
     until_full = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=None), use_tqdm=False)[0]
     assert len(until_full.prompt_token_ids) + len(until_full.outputs[0].token_ids) == 64  # max_model_len
-    unsupported = llm.generate("Hi", SamplingParams(prompt_logprobs=1), use_tqdm=False)[0]
-    assert "prompt_logprobs" in unsupported.error
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -134,3 +137,48 @@ def test_bad_requests_do_not_take_the_others_down(v41_dir, tmp_path):
         LLM(model=tmp_path / "nope")
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(model=v41_dir, max_num_seqs=0)
+
+
+def test_prompt_logprobs_match_the_reference(v41_dir):
+    llm = _small_llm(v41_dir, yoco_mode="off")  # 24-token steps: the prompt's logprobs come in 3 chunks
+    prompt = _prompts(seed=4)[12]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    ref = torch.log_softmax(reference_forward(llm.model, torch.tensor([prompt]))[0].float(), dim=-1)
+    for p in range(1, len(prompt)):
+        entry, want = plp[p], ref[p - 1]
+        assert prompt[p] in entry and 2 <= len(entry) <= 3
+        assert entry[prompt[p]].logprob == pytest.approx(float(want[prompt[p]]), rel=1e-5, abs=1e-5)
+        lp = want[prompt[p]]  # rank: 1 + tokens above it (within float noise of two log-softmax implementations)
+        assert int((want > lp + 1e-5).sum()) <= entry[prompt[p]].rank - 1 <= int((want > lp - 1e-5).sum())
+        best = int(want.argmax())
+        assert best in entry and entry[best].rank == 1
+
+
+def test_async_scheduling_changes_nothing(v41_dir):
+    # the same mixed workload with and without overlap: greedy, seeded sampling, penalties (which drain the
+    # step in flight), stop strings, EOS, n > 1; a small KV budget adds preemption and prefix self-hits
+    prompts = _prompts(seed=6)
+    params = [
+        SamplingParams(temperature=0, max_tokens=7, logprobs=1),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=9),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, frequency_penalty=0.5),
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=5, stop=["e"]),
+    ] * 4
+    outs = {}
+    for mode in (False, True):
+        llm = _small_llm(v41_dir, yoco_mode="off", async_scheduling=mode, kv_cache_memory=12 * 118_808 + 160 * 1536)
+        outs[mode] = llm.generate(prompts, params, use_tqdm=False)
+        if mode:
+            assert llm.engine.num_overlapped > 0, "no step was processed while the next one ran"
+    assert sum(o.metrics.num_preemptions for o in outs[True]) > 0
+    for a, b in zip(outs[False], outs[True]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+                y.token_ids,
+                y.text,
+                y.finish_reason,
+                y.stop_reason,
+            )
+            assert x.cumulative_logprob == y.cumulative_logprob

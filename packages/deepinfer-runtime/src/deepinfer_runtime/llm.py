@@ -7,6 +7,7 @@ outs = llm.generate(["Hello", "def fib(n):"], SamplingParams(temperature=0, max_
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -20,8 +21,10 @@ from tqdm import tqdm
 from deepinfer_runtime.engine.kv_cache import BlockAllocator, CacheBudget
 from deepinfer_runtime.engine.llm_engine import LLMEngine
 from deepinfer_runtime.engine.model_runner import ModelRunner
+from deepinfer_runtime.engine.prefix_cache import PrefixCache
 from deepinfer_runtime.engine.request import Request
 from deepinfer_runtime.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_runtime.kv_pool import KVPools
 from deepinfer_runtime.model_loader import load_model
 from deepinfer_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_runtime.sampler import Sampler, child_seed, derive_request_seed
@@ -61,13 +64,18 @@ class LLM:
         max_num_batched_tokens: token budget per step (chunked prefill mixes with decodes under it).
         max_model_len: longest prompt + output (default: min(model limit, 32768)).
         gpu_memory_utilization / kv_cache_memory: the KV budget as a fraction of device memory, or bytes.
-        enable_prefix_caching: accepted for vLLM compatibility; prefix reuse is not implemented yet.
+        enable_prefix_caching: share the KV of common prompt prefixes between requests (chained block
+            hashes, LRU eviction; a hit recomputes at least the model's bounded replay: 1 token, or the
+            YOCO keep length K for V4.1 with truncation). Exact: a hit gives the values of a recompute.
         seed: derives the sampling stream of requests that set no seed of their own.
-        block_size: tokens per KV block.
+        block_size: tokens per KV block; a multiple of every compression ratio (default: the smallest
+            such multiple of 16, e.g. 128 for the released V4 / V4.1 schedules).
         yoco_mode / yoco_keep_tokens / fake_quant: V4.1 model options (see ``load_model``).
         batch_invariant: a request's logits are bitwise the same whatever else is in the batch and however
             its prompt is chunked (None: ``DEEPINFER_BATCH_INVARIANT``). Only row-invariant backends serve
             this mode; the CPU references always are, so on the CPU it costs nothing.
+        async_scheduling: plan and launch step N+1 while the device still runs step N (default: on for CUDA,
+            off on the CPU, where host and device are the same cores). Outputs are identical either way.
     """
 
     def __init__(
@@ -82,17 +90,18 @@ class LLM:
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
-        block_size: int = 16,
+        block_size: int | None = None,
         yoco_mode: str | None = None,
         yoco_keep_tokens: int | None = None,
         fake_quant: bool = True,
         batch_invariant: bool | None = None,
         log_stats: bool = True,
+        async_scheduling: bool | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
-            ("block_size", block_size),
+            ("block_size", 1 if block_size is None else block_size),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -119,16 +128,28 @@ class LLM:
         self.max_model_len = max_model_len or limit
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in (1, {cfg.max_position_embeddings}], got {max_model_len}")
+        block_size = _block_size(block_size, self.model.growing_ratios())
         budget_bytes = self._kv_budget(gpu_memory_utilization, kv_cache_memory)
-        self.budget = CacheBudget(self.model.cache_layout(), budget_bytes, max_num_seqs, block_size)
+        snapshots = max_num_seqs if enable_prefix_caching else 0
+        self.budget = CacheBudget(self.model.cache_layout(), budget_bytes, max_num_seqs, block_size, snapshots)
         if log_stats:
             print(f"[deepinfer] KV cache accounting ({self.model.dtype}):\n{self.budget.summary()}", file=sys.stderr)
         blocks = BlockAllocator(self.budget.num_blocks, block_size)
-        sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len), blocks)
+        self.prefix_cache = (
+            PrefixCache(blocks, snapshots, self.model.prefix_replay_tokens()) if enable_prefix_caching else None
+        )
+        sched = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len), blocks, self.prefix_cache
+        )
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
+        pools = KVPools(blocks.num_blocks, block_size, self.device)
         self.engine = LLMEngine(
-            sched, ModelRunner(self.model, Sampler(self.eos), self.device), self.tokenizer, self.eos
+            sched,
+            ModelRunner(self.model, Sampler(self.eos), self.device, pools),
+            self.tokenizer,
+            self.eos,
+            async_scheduling=self.device.type == "cuda" if async_scheduling is None else bool(async_scheduling),
         )
         self.seed, self.enable_prefix_caching = seed, enable_prefix_caching
         self._next_request = 0
@@ -159,8 +180,11 @@ class LLM:
             return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
         if len(ids) >= self.max_model_len:
             return f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
-        if params.prompt_logprobs is not None:
-            return "prompt_logprobs is not supported yet"
+        if params.prompt_logprobs is not None and getattr(self.model, "yoco_mode", "off") != "off":
+            return (
+                "prompt_logprobs needs yoco_mode='off': YOCO prefill truncation skips the decoder layers on "
+                "all but the last prompt rows (DeepInfer switches prompt logprobs off there too)"
+            )
         need = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if need > self.budget.num_tokens:
             return f"prompt + max_tokens needs {need} tokens of KV cache; the budget holds {self.budget.num_tokens}"
@@ -209,7 +233,7 @@ class LLM:
         start = time.perf_counter()
         bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm, leave=False)
         done = 0
-        while self.engine.scheduler.has_unfinished:
+        while self.engine.has_unfinished:
             finished = self.engine.step()
             done += len(finished)
             bar.update(len(finished))
@@ -243,6 +267,19 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+
+
+def _block_size(requested: int | None, ratios: set[int]) -> int:
+    """The engine block size: whole compressor groups per block (pool rows are block_size // ratio)."""
+    multiple = math.lcm(*ratios) if ratios else 1
+    if requested is None:
+        return multiple * -(-16 // multiple)
+    if requested % multiple:
+        raise ValueError(
+            f"block_size must be a multiple of every compression ratio {sorted(ratios)} "
+            f"(so, of {multiple}); got {requested}"
+        )
+    return requested
 
 
 def _architecture(path: Path) -> str | None:
@@ -284,6 +321,15 @@ def _to_output(reqs: list[Request]) -> RequestOutput:
         sum(r.num_preemptions for r in reqs),
     )
     request_id = first.request_id.rsplit("-", 1)[0] if len(reqs) > 1 else first.request_id
+    error = next((r.error for r in reqs if r.error is not None), None)  # engine-side failure (e.g. bad grammar)
     return RequestOutput(
-        request_id, first.prompt, first.prompt_token_ids, completions, True, metrics, first.num_cached_tokens
+        request_id,
+        first.prompt,
+        first.prompt_token_ids,
+        completions,
+        True,
+        metrics,
+        first.num_cached_tokens,
+        error,
+        first.prompt_logprobs,
     )

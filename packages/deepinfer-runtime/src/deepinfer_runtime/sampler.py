@@ -132,6 +132,26 @@ class SamplerOutput:
         return out
 
 
+def prompt_logprob_entries(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[dict[int, Logprob]]:
+    """Prompt logprobs (vLLM's default raw mode: log-softmax of the model's logits, no sampling
+    processing): for each row of ``logits`` [n, V] fp32, the logprob and rank of ``targets[i]`` and the
+    top ``k`` alternatives."""
+    lp = log_softmax_rows(logits)
+    tgt = torch.tensor(list(targets), dtype=torch.long, device=lp.device)[:, None]
+    picked = lp.gather(-1, tgt)
+    ranks = (1 + (lp > picked).sum(-1)).tolist()
+    top_lp, top_ids = topk_logprobs(lp, min(k, lp.shape[-1])) if k else (None, None)
+    out = []
+    for i, t in enumerate(targets):
+        entry = {int(t): Logprob(float(picked[i, 0]), int(ranks[i]))}
+        for j in range(k):
+            alt = int(top_ids[i, j])
+            if alt not in entry:
+                entry[alt] = Logprob(float(top_lp[i, j]), j + 1)
+        out.append(entry)
+    return out
+
+
 class Sampler:
     """Samples one token per request from a [B, V] block of logits (see the module docstring).
 

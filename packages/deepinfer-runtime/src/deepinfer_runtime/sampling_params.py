@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_runtime.errors import DeepInferError
@@ -95,7 +95,12 @@ class SamplingParams:
         prompt_logprobs: same, per prompt token; None: none.
         logit_bias: {token id: additive bias}, applied to the raw logits before penalties.
         skip_special_tokens: drop special tokens when detokenizing.
-        structured_outputs, so_args: placeholders for structured output (dict or None).
+        structured_outputs: vLLM's structured outputs: a ``StructuredOutputsParams`` (or a dict of its fields:
+            json, regex, choice, grammar, json_object, disable_any_whitespace, trigger_token_ids,
+            bound_token_id), or None. See ``deepinfer_runtime.structured.params``.
+        so_args: DeepInfer's form, ``{"schema_type": ..., "schema": ..., "trigger_token_ids": ...,
+            "bound_token_id": ...}``, or None. Exclusive with structured_outputs; both normalise to
+            ``grammar_spec`` (validated here, compiled by the engine when the request is added).
     """
 
     n: int = 1
@@ -116,8 +121,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
-    structured_outputs: dict | None = None
+    structured_outputs: Any = None  # StructuredOutputsParams | dict | None
     so_args: dict | None = None
+    grammar_spec: Any = field(default=None, init=False, repr=False, compare=False)  # structured.GrammarSpec
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1)
@@ -155,10 +161,9 @@ class SamplingParams:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0)
         self.logit_bias = self._bias_dict(self.logit_bias)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
-        for name in ("structured_outputs", "so_args"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, dict):
-                raise _fail(name, "a dict or None", value)
+        from deepinfer_runtime.structured.params import grammar_spec  # late: it imports this module
+
+        self.grammar_spec = grammar_spec(self.structured_outputs, self.so_args)
         if self.greedy:  # decisions B4.2: set once, when the request is created
             self.top_p = 1.0
             self.top_k = 0

@@ -1,4 +1,4 @@
-"""The model runner: a ``StepPlan`` in, a ``StepResult`` out.
+"""The model runner: a ``StepPlan`` in, a ``StepResult`` out (``launch`` now, ``InFlight.result`` later).
 
 It turns each scheduled chunk into the model's varlen step input (token ids per request, the
 request's model cache, YOCO prompt length for prefill chunks, and the rows that need logits),
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_runtime.engine.scheduler import StepPlan
-from deepinfer_runtime.sampler import Logprob, Sampler, SamplingRequest
+from deepinfer_runtime.kv_pool import KVPools
+from deepinfer_runtime.sampler import Logprob, Sampler, SamplerOutput, SamplingRequest, prompt_logprob_entries
+from deepinfer_runtime.structured.mask import apply_grammar_bitmask
 
 
 @dataclass
@@ -23,40 +25,103 @@ class StepResult:
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob] | None] = field(default_factory=dict)
     sampled_logprob: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)  # (first pos, ..)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, sampler: Sampler, device: torch.device):
-        self.model, self.sampler, self.device = model, sampler, device
+    """``pools`` hold the growing cache kinds of every request (block ids from the scheduler); a request's
+    model cache is built on its first chunk: empty, or resumed from its prefix hit's snapshot."""
+
+    def __init__(self, model: torch.nn.Module, sampler: Sampler, device: torch.device, pools: KVPools):
+        self.model, self.sampler, self.device, self.pools = model, sampler, device, pools
+        self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last launch's sampled tokens, by request
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
-        chunks, caches, prompt_lens, rows = [], [], [], []
+        """Run ``plan`` and wait for its results."""
+        return self.launch(plan).result()
+
+    @torch.no_grad()
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Enqueue ``plan`` on the device and return without waiting for it. A chunk's pending input token
+        (sampled by the previous launch, value still on the device) is copied in on the device."""
+        chunks, caches, prompt_lens, rows, n_prompt_rows = [], [], [], [], []
         for c in plan.chunks:
             req = c.request
             if req.cache is None:
-                req.cache = self.model.new_cache()
-            chunks.append(torch.tensor(req.token_ids(c.start, c.start + c.num_tokens), dtype=torch.long))
+                stores = self.pools.factory(req.block_ids)
+                if req.restore is not None:
+                    req.cache, req.restore = self.model.restore_cache(req.restore, stores), None
+                else:
+                    req.cache = self.model.new_cache(stores)
+            chunks.append(self._input_ids(req, c.start, c.num_tokens))
             caches.append(req.cache)
             prefill = c.start < req.prefill_len
             prompt_lens.append(req.prefill_len if prefill else None)
             last = torch.tensor([c.num_tokens - 1]) if c.sample else torch.zeros(0, dtype=torch.long)
-            rows.append(last)
-        logits = self.model.forward_step([ch.to(self.device) for ch in chunks], caches, prompt_lens, rows)
-        sampled = [(c, lg) for c, lg in zip(plan.chunks, logits) if c.sample]
-        result = StepResult()
+            # prompt logprobs: row p predicts prompt token p + 1, so rows up to the prompt's second last token
+            n_plp = 0
+            if req.params.prompt_logprobs is not None:
+                n_plp = max(min(c.start + c.num_tokens, req.num_prompt_tokens - 1) - c.start, 0)
+            n_prompt_rows.append(n_plp)
+            rows.append(torch.cat([torch.arange(n_plp), last]) if n_plp else last)
+        logits = self.model.forward_step(chunks, caches, prompt_lens, rows)
+        flight = InFlight()
+        for c, lg, n_plp in zip(plan.chunks, logits, n_prompt_rows):
+            if n_plp:
+                req = c.request
+                targets = req.token_ids(c.start + 1, c.start + 1 + n_plp)
+                entries = prompt_logprob_entries(lg[:n_plp].float(), targets, req.params.prompt_logprobs)
+                flight.prompt_logprobs[req.request_id] = (c.start + 1, entries)
+        sampled = [(c, lg[-1:]) for c, lg in zip(plan.chunks, logits) if c.sample]
         if not sampled:
-            return result
+            self._prev = None
+            return flight
         batch = torch.cat([lg for _, lg in sampled]).float()
-        reqs = [
-            SamplingRequest(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, c.request.seed)
+        reqs = [  # position = the sampled token's (pending tokens included), decisions B3
+            SamplingRequest(
+                c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, c.request.seed, c.sample_at
+            )
             for c, _ in sampled
         ]
-        out = self.sampler(batch, reqs)
-        for row, (c, _) in enumerate(sampled):
-            rid = c.request.request_id
-            result.tokens[rid] = int(out.token_ids[row])
-            result.logprobs[rid] = out.logprobs_for(row)
+        grammars = [c.request.grammar for c, _ in sampled]
+        if any(g is not None for g in grammars):  # structured outputs: disallowed tokens -> -inf
+            apply_grammar_bitmask(batch, grammars)
+        flight.sampled = [c.request.request_id for c, _ in sampled]
+        flight.out = self.sampler(batch, reqs)
+        self._prev = (flight.out.token_ids, {rid: row for row, rid in enumerate(flight.sampled)})
+        return flight
+
+    def _input_ids(self, req, start: int, n: int) -> torch.Tensor:
+        ids = req.token_ids(start, start + n)
+        if ids[-1] >= 0:
+            return torch.tensor(ids, dtype=torch.long, device=self.device)
+        if -1 in ids[:-1] or self._prev is None or req.request_id not in self._prev[1]:
+            raise RuntimeError(f"request {req.request_id}: a pending token that the previous step did not sample")
+        out = torch.tensor(ids, dtype=torch.long, device=self.device)
+        prev_tokens, prev_rows = self._prev
+        out[-1] = prev_tokens[prev_rows[req.request_id]]  # device to device: no sync
+        return out
+
+
+@dataclass
+class InFlight:
+    """A launched step: its device-side sampler output, turned into a ``StepResult`` on demand."""
+
+    prompt_logprobs: dict = field(default_factory=dict)
+    sampled: list[str] = field(default_factory=list)
+    out: SamplerOutput | None = None
+
+    def result(self) -> StepResult:
+        """Wait for the device and convert (the only synchronisation of a step)."""
+        res = StepResult(prompt_logprobs=self.prompt_logprobs)
+        if self.out is None:
+            return res
+        out = self.out
+        tokens = out.token_ids.tolist()
+        for row, rid in enumerate(self.sampled):
+            res.tokens[rid] = tokens[row]
+            res.logprobs[rid] = out.logprobs_for(row)
             if out.sampled_logprobs is not None:
-                result.sampled_logprob[rid] = float(out.sampled_logprobs[row])
-        return result
+                res.sampled_logprob[rid] = float(out.sampled_logprobs[row])
+        return res

@@ -3,6 +3,10 @@
 The scheduler's one rule is stated on this record: ``num_computed_tokens`` catches up to
 ``num_tokens`` (prompt + generated). A prefill chunk, a decode step and a recompute after preemption
 are the same thing: the next ``min(num_tokens - num_computed_tokens, budget)`` tokens.
+
+Under async scheduling a sampled token may still be on the device when the next step is planned: it
+counts in ``num_tokens`` as ``num_pending`` (its value, -1 in ``token_ids``, is filled in on the device
+by the runner), and only the ``num_known_tokens`` ever feed hashes, detokenizing or stop checks.
 """
 
 from __future__ import annotations
@@ -45,24 +49,51 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     prefill_len: int = 0  # tokens known when the current prefill started (YOCO's L)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks of known tokens
+    num_registered_blocks: int = 0  # leading blocks of block_ids the prefix cache holds
+    restore: Any = None  # CacheSnapshot of a prefix hit, consumed when the runner builds the cache
+    prompt_logprobs: list | None = None  # [L]: None for token 0, then one entry per prompt token (if asked)
+    grammar: Any = None  # structured.RequestGrammar when the request asks for structured outputs
+    error: str | None = None  # why the engine ended this request with finish_reason "error"
+    num_pending: int = 0  # sampled on the device, not yet appended (async: 1 when planned, 2 in between)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known_tokens + self.num_pending
+
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
-        p = len(self.prompt_token_ids)
+        """Tokens [start, end) of prompt + output; -1 for pending positions (values still on the device)."""
+        p, known = len(self.prompt_token_ids), self.num_known_tokens
+        pad = [-1] * max(end - max(start, known), 0)
+        end = min(end, known)
         if end <= p:
-            return self.prompt_token_ids[start:end]
+            return self.prompt_token_ids[start:end] + pad
         out = self.output_token_ids
         if start >= p:
-            return out[start - p : end - p]
-        return self.prompt_token_ids[start:] + out[: end - p]
+            return out[start - p : end - p] + pad
+        return self.prompt_token_ids[start:] + out[: end - p] + pad
+
+    @property
+    def reached_output_cap(self) -> bool:
+        """Every token this request may produce has been sampled (some may still be pending)."""
+        n = len(self.output_token_ids) + self.num_pending
+        return self.params.max_tokens is not None and n >= self.params.max_tokens
+
+    @property
+    def sampler_needs_history(self) -> bool:
+        """The next sample depends on the previous token's value (penalties, min_tokens, grammar), so the
+        engine must not plan it before that token is known."""
+        p = self.params
+        penalties = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        return penalties or p.min_tokens > len(self.output_token_ids) or self.grammar is not None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,10 @@ Order: running requests first (oldest first), then waiting ones while seats, bud
 last. When a running request's next chunk needs blocks and none are free, the most recently admitted
 running request is preempted: its blocks and model state are dropped and it goes back to the front
 of the queue, to be recomputed from scratch (its generated tokens are kept and re-fed).
+
+With a prefix cache, a request being admitted first looks up its known tokens: a hit sets its computed
+tokens to the hit length and its block table to the shared blocks (``prefix_cache.py``), and non-final
+chunks end on block boundaries so that their end states can be snapshotted for later hits.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer_runtime.engine.kv_cache import BlockAllocator
+from deepinfer_runtime.engine.prefix_cache import PrefixCache, chain_hashes
 from deepinfer_runtime.engine.request import Request, RequestStatus
 
 
@@ -39,6 +44,11 @@ class ScheduledChunk:
     def sample(self) -> bool:
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def sample_at(self) -> int:
+        """Position of the token this chunk samples (the request's length, pending tokens included)."""
+        return self.start + self.num_tokens
+
 
 @dataclass
 class StepPlan:
@@ -53,8 +63,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator):
-        self.config, self.blocks = config, blocks
+    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, prefix: PrefixCache | None = None):
+        self.config, self.blocks, self.prefix = config, blocks, prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -68,12 +78,37 @@ class Scheduler:
     def _chunk_len(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 else n
+        n = min(n, cap) if cap > 0 else n
+        start = req.num_computed_tokens
+        if self.prefix is not None and start + n < req.num_tokens:
+            end = (start + n) // self.blocks.block_size * self.blocks.block_size
+            n = end - start if end > start else n  # end on a block boundary: a snapshot point
+        return n
+
+    def _lookup_prefix(self, req: Request) -> None:
+        """Start a fresh (or preempted) request from its longest usable cached prefix."""
+        tokens = req.token_ids(0, req.num_known_tokens)
+        req.block_keys = chain_hashes(tokens, self.blocks.block_size, req.block_keys)
+        hit = self.prefix.lookup(tokens, req.block_keys)
+        if hit is None:
+            return
+        req.block_ids.extend(hit.blocks)
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_preemptions == 0:  # the metric counts the first admission, not a recompute's self-hit
+            req.num_cached_tokens = hit.num_tokens
+        req.num_registered_blocks, req.restore = len(hit.blocks), hit.snapshot
+
+    def _unadmit(self, req: Request) -> None:
+        self.blocks.release(req.block_ids)
+        req.num_computed_tokens, req.num_registered_blocks, req.restore = 0, 0, None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = 0
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
         self.blocks.release(req.block_ids)
         req.cache, req.num_computed_tokens, req.status = None, 0, RequestStatus.WAITING
+        req.num_registered_blocks, req.restore = 0, None
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req)
@@ -87,8 +122,9 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             n = self._chunk_len(req, budget)
-            if n <= 0:
-                continue
+            at_cap = req.reached_output_cap or req.num_tokens >= self.config.max_model_len
+            if n <= 0 or (at_cap and req.num_pending):
+                continue  # nothing to run, or only a token past the cap (it stops when its value arrives)
             while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -101,8 +137,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            # prompt logprobs need the logits of every prompt row, so such a request never starts from a hit
+            fresh = req.num_computed_tokens == 0 and not req.block_ids and req.params.prompt_logprobs is None
+            if self.prefix is not None and fresh:
+                self._lookup_prefix(req)
             n = self._chunk_len(req, budget)
             if not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
+                self._unadmit(req)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -112,6 +153,27 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return plan
+
+    def computed(self, req: Request, num_tokens: int, snapshot) -> None:
+        """Record that ``num_tokens`` more tokens of ``req`` ran; register its newly full blocks with the
+        prefix cache and, on a block boundary during prefill, the state snapshot ``snapshot()`` makes."""
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_tokens
+        if self.prefix is None:
+            return
+        bs = self.blocks.block_size
+        full = min(req.num_computed_tokens, req.num_known_tokens) // bs  # keys need token values
+        if full <= req.num_registered_blocks:
+            return
+        if len(req.block_keys) < full:
+            req.block_keys = chain_hashes(req.token_ids(0, full * bs), bs, req.block_keys)
+        req.num_registered_blocks = self.prefix.register(
+            req.block_keys[:full], req.block_ids, req.num_registered_blocks
+        )
+        if req.num_computed_tokens % bs == 0 and start < req.prefill_len:
+            key = req.block_keys[full - 1]
+            if key not in self.prefix.snapshots:
+                self.prefix.add_snapshot(key, snapshot())
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason

@@ -39,7 +39,8 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, SequenceCache
+from deepinfer_runtime.kv_pool import CacheSnapshot
+from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, RowFactory, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
 
@@ -84,10 +85,9 @@ class Compressor(nn.Module):
                 grouped_kv, grouped_score = kv, score
             pooled = self.norm(kv_compress_pool(grouped_kv, grouped_score).to(x.dtype))
             entry_pos = (torch.arange(n_new, device=x.device) + first) * self.ratio
-            state.entries = cat_rows(state.entries, rope_interleaved(pooled, entry_pos, inv_freq))
-        if state.entries is None:
-            state.entries = x.new_zeros(0, self.head_dim)
-        return state.entries
+            state.store(self.ratio).append(rope_interleaved(pooled, entry_pos, inv_freq))
+        entries = state.store(self.ratio).view()
+        return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
 
 class Indexer(nn.Module):
@@ -249,8 +249,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
 
-    def new_cache(self) -> SequenceCache:
-        return SequenceCache.empty(self.cfg.num_hidden_layers)
+    def new_cache(self, new_rows: RowFactory | None = None) -> SequenceCache:
+        """An empty request cache; ``new_rows`` makes its entry stores (default: standalone tensors)."""
+        return SequenceCache.empty(self.cfg.num_hidden_layers, new_rows)
+
+    def restore_cache(self, snap: CacheSnapshot, new_rows: RowFactory) -> SequenceCache:
+        return SequenceCache.restore(snap, new_rows)
+
+    def growing_ratios(self) -> set[int]:
+        """Compression ratios of the growing cache kinds (an engine block must hold whole groups)."""
+        return {m.ratio for m in self.modules() if isinstance(m, Compressor)}
+
+    def prefix_replay_tokens(self) -> int:
+        """Tokens a prefix hit must leave to recompute: the row whose logits come next."""
+        return 1
 
     def cache_layout(self) -> CacheLayout:
         return v4_cache_layout(self.cfg, self.dtype)

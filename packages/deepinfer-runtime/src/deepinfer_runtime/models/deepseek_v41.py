@@ -24,6 +24,7 @@ the boundary layer's compressor still consumes every row.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -56,6 +57,7 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
+from deepinfer_runtime.kv_pool import CacheSnapshot, RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
 
@@ -67,17 +69,22 @@ TRUNCATION_MODES = ("off", "mask", "compact")
 # ----------------------------------------------------------------------------------------------------------
 @dataclass
 class SourceState:
-    """What a KV source publishes: entries [N, D] (RoPE'd, quantised), index keys [N, Dh], and the
-    ratio-2 compressor tail (fp32 projections of the incomplete group)."""
+    """What a KV source publishes: entries [N, D] (RoPE'd, quantised) and index keys [N, Dh] as row
+    stores (``kv_pool``), and the ratio-2 compressor tail (fp32 projections of the incomplete group)."""
 
-    entries: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
+    entries: RowStore
+    keys: RowStore
+    ratio: int
     tail_kv: torch.Tensor | None = None
     tail_score: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:
-        return 0 if self.entries is None else self.entries.shape[0]
+        return len(self.entries)
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
 
 
 @dataclass
@@ -87,6 +94,8 @@ class V41SequenceCache:
     windows[l]: [<= W-1, D] newest window latents of layer l (positions seq_len - len .. seq_len - 1);
     in compact YOCO mode decoder layers hold only rows at or after the floor.
     dspark_ctx[s]: [<= W, D] newest DSpark stage-s context keys (positions ctx_end - len .. ctx_end - 1).
+    new_rows(key, ratio) makes the growing stores: standalone tensors by default, pool pages in the engine.
+    The model replaces these tensors rather than writing into them, which is what makes ``snapshot`` cheap.
     """
 
     windows: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -95,6 +104,40 @@ class V41SequenceCache:
     dspark_ctx: dict[int, torch.Tensor] = field(default_factory=dict)
     ctx_end: int = 0
     seq_len: int = 0
+    new_rows: Callable[[object, int], RowStore] = field(default=lambda key, ratio: TensorRows(), repr=False)
+
+    def source(self, layer: int, ratio: int) -> SourceState:
+        src = self.sources.get(layer)
+        if src is None:
+            entries, keys = self.new_rows(("kv", layer), ratio), self.new_rows(("idx", layer), ratio)
+            src = self.sources[layer] = SourceState(entries, keys, ratio)
+        return src
+
+    def snapshot(self) -> CacheSnapshot:
+        """The fixed-size state at this point, cloned compact; growing stores by length only (their
+        rows stay in the shared pool blocks the prefix cache keeps)."""
+        fixed = V41SequenceCache(
+            windows={k: v.clone() for k, v in self.windows.items()},
+            engram_history=_clone(self.engram_history),
+            dspark_ctx={k: v.clone() for k, v in self.dspark_ctx.items()},
+            ctx_end=self.ctx_end,
+            seq_len=self.seq_len,
+        )
+        tails = {k: (_clone(s.tail_kv), _clone(s.tail_score)) for k, s in self.sources.items()}
+        lengths = {k: (s.ratio, len(s.entries)) for k, s in self.sources.items()}
+        return CacheSnapshot(fixed, tails, lengths)
+
+    @classmethod
+    def restore(cls, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore]) -> V41SequenceCache:
+        """A cache continuing from ``snap`` whose growing stores resume at the snapshot's lengths."""
+        f = snap.fixed
+        cache = cls(dict(f.windows), {}, f.engram_history, dict(f.dspark_ctx), f.ctx_end, f.seq_len, new_rows)
+        for layer, (ratio, n) in snap.lengths.items():
+            src = cache.source(layer, ratio)
+            src.entries.resume(n)
+            src.keys.resume(n)
+            src.tail_kv, src.tail_score = snap.tails[layer]
+        return cache
 
 
 @dataclass
@@ -311,14 +354,15 @@ class Attention(nn.Module):
             )
             group_pos = (torch.arange(latent.shape[0], device=x.device) + src.num_entries) * r
         entry, key = self.publish(latent, group_pos)
-        src.entries, src.keys = cat_rows(src.entries, entry), cat_rows(src.keys, key)
+        src.entries.append(entry)
+        src.keys.append(key)
 
     def forward_chunk(self, x, x_comp, pos, pos_comp, cache: V41SequenceCache, floor, shared: dict):
         """One request's rows: x [S, d] normed inputs at ``pos``; x_comp/pos_comp the compressor's rows
         (all rows of the chunk, also in compact YOCO mode). ``shared`` carries top-k / candidates from
         sources to consumers within this step."""
         if self.kv_source == self.layer:
-            self.feed_compressor(x_comp, pos_comp, cache.sources.setdefault(self.layer, SourceState()))
+            self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio))
         if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
             return x.new_zeros(0, self.cfg.hidden_size)
         qr, q = self.query(x, pos)
@@ -330,9 +374,11 @@ class Attention(nn.Module):
         if self.ratio == 0:
             return self.attend(q, rows, None, self.window_ids(pos, first, floor), None, pos)
         src = cache.sources[self.kv_source]
-        entries = src.entries if src.entries is not None else x.new_zeros(0, self.head_dim)
+        entries = src.entries.view()
+        entries = entries if entries is not None else x.new_zeros(0, self.head_dim)
         if self.index_source == self.layer:
-            keys = src.keys if src.keys is not None else x.new_zeros(0, self.cfg.index_head_dim)
+            keys = src.keys.view()
+            keys = keys if keys is not None else x.new_zeros(0, self.cfg.index_head_dim)
             scores = self.index_scores(x, qr, pos, keys)
             cand = shared.get("candidates") if self.uses_candidates else None
             if self.is_candidate_source:
@@ -523,8 +569,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
 
-    def new_cache(self) -> V41SequenceCache:
-        return V41SequenceCache()
+    def new_cache(self, new_rows: Callable[[object, int], RowStore] | None = None) -> V41SequenceCache:
+        """An empty request cache; ``new_rows`` makes its growing stores (default: standalone tensors)."""
+        return V41SequenceCache() if new_rows is None else V41SequenceCache(new_rows=new_rows)
+
+    def restore_cache(self, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore]) -> V41SequenceCache:
+        return V41SequenceCache.restore(snap, new_rows)
+
+    def growing_ratios(self) -> set[int]:
+        """Compression ratios of the growing cache kinds (an engine block must hold whole groups)."""
+        return {self.cfg.compress_ratio(layer) for layer in self.cfg.kv_source_layer_ids}
+
+    def prefix_replay_tokens(self) -> int:
+        """Tokens a prefix hit must leave to recompute: the keep length K under YOCO truncation (decisions
+        Y5: the decoder windows are rebuilt from the request's own last K tokens), else the last row."""
+        return self.yoco_keep if self.yoco_mode != "off" else 1
 
     def cache_layout(self) -> CacheLayout:
         return v41_cache_layout(self.cfg, self.dtype)
