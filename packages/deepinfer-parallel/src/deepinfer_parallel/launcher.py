@@ -301,6 +301,15 @@ class WorkerGroup:
                 ) from None
         return self._collect(f"running {name!r}", timeout_s if timeout_s is not None else self.call_timeout_s)
 
+    def _dead_rank(self, grace_s: float) -> int | None:
+        """A rank whose process has exited (waiting up to ``grace_s`` for one), else None."""
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        for ready in multiprocessing.connection.wait(list(by_sentinel), timeout=grace_s):
+            rank = by_sentinel[ready]
+            self._procs[rank].join(0.1)
+            return rank
+        return None
+
     def _collect(self, what: str, timeout_s: float, expect_ready: bool = False) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
@@ -329,6 +338,13 @@ class WorkerGroup:
                     else:
                         _, ok, payload = msg
                         if not ok:
+                            dead = self._dead_rank(grace_s=2.0)
+                            if dead is not None:  # the root cause: a peer's death broke this rank's collective
+                                last = payload.strip().splitlines()[-1] if payload.strip() else ""
+                                raise self._fail(
+                                    f"rank {dead} {_describe_exit(self._procs[dead].exitcode)} while {what} "
+                                    f"(rank {rank} then failed: {last})"
+                                )
                             raise self._fail(f"rank {rank} raised while {what}:\n{payload}")
                         results[rank] = payload
                     pending.discard(rank)
