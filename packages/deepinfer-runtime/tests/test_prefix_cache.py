@@ -119,3 +119,26 @@ def test_hits_under_memory_pressure_evict_and_stay_exact(v41_dir):
 def test_block_size_must_hold_whole_groups(tiny_v4_dirs):
     with pytest.raises(ValueError, match="block_size must be a multiple"):
         _llm(tiny_v4_dirs["mixed"], True, block_size=8)  # the tiny V4 has an HCA ratio of 16
+
+
+def test_snapshots_only_where_every_computed_token_is_known():
+    # async scheduling: a recomputed request can run its pending token (value still on the device); the state
+    # after it must not be filed under the key of the last block whose tokens are known
+    from deepinfer_runtime import SamplingParams
+    from deepinfer_runtime.engine.prefix_cache import PrefixCache
+    from deepinfer_runtime.engine.request import Request
+    from deepinfer_runtime.engine.scheduler import Scheduler, SchedulerConfig
+
+    alloc = BlockAllocator(8, 4)
+    prefix = PrefixCache(alloc, max_snapshots=4, replay=1)
+    sched = Scheduler(SchedulerConfig(), alloc, prefix)
+    req = Request("r", None, list(range(3, 10)), SamplingParams(), seed=0)  # 7 known tokens
+    req.num_pending, req.prefill_len = 1, 8
+    alloc.grow(req.block_ids, 8)
+    sched.computed(req, 8, lambda: "state after 8 tokens")
+    assert len(prefix.by_key) == 1 and not prefix.snapshots  # block 0 is cached, but no snapshot at 4 or 8
+    req.num_pending = 0
+    req.output_token_ids.append(11)
+    req.num_computed_tokens = 4
+    sched.computed(req, 4, lambda: "state after 8 tokens")
+    assert list(prefix.snapshots.values()) == ["state after 8 tokens"] and len(prefix.by_key) == 2

@@ -32,6 +32,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--yoco-mode", choices=["off", "mask", "compact"], default=None)
     ap.add_argument("--yoco-keep-tokens", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
+    ap.add_argument("--block-size", type=int, default=None)
 
 
 def _sampling_args(ap: argparse.ArgumentParser, max_tokens: int = 32) -> None:
@@ -56,6 +59,9 @@ def _llm(args: argparse.Namespace):
         seed=args.seed,
         yoco_mode=args.yoco_mode,
         yoco_keep_tokens=args.yoco_keep_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
+        block_size=args.block_size,
     )
 
 

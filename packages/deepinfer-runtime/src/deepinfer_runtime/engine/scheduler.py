@@ -170,7 +170,8 @@ class Scheduler:
         req.num_registered_blocks = self.prefix.register(
             req.block_keys[:full], req.block_ids, req.num_registered_blocks
         )
-        if req.num_computed_tokens % bs == 0 and start < req.prefill_len:
+        # the snapshot is the state after exactly these tokens: only when they all have known values
+        if full * bs == req.num_computed_tokens and start < req.prefill_len:
             key = req.block_keys[full - 1]
             if key not in self.prefix.snapshots:
                 self.prefix.add_snapshot(key, snapshot())
