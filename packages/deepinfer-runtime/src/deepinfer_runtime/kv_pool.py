@@ -135,7 +135,6 @@ class PagedRows:
         self.pools, self.key, self.ratio, self.table = pools, key, ratio, table
         self.pool: KVPool | None = None
         self._n = n
-        self._spec: tuple[int, torch.dtype] | None = None
 
     def __len__(self) -> int:
         return self._n
