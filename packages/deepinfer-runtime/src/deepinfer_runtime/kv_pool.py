@@ -47,22 +47,6 @@ class CacheSnapshot:
     tails: dict
     lengths: dict
 
-    @property
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.fixed) + _tensor_bytes(self.tails)
-
-
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
-    return 0
-
 
 class TensorRows:
     """A growable [n, width] tensor with amortised doubling (no O(n^2) re-concatenation)."""
@@ -101,10 +85,6 @@ class KVPool:
         self.block_size, self.ratio, self.rows_per_block = block_size, ratio, block_size // ratio
         self.data = torch.empty(num_blocks, self.rows_per_block, width, dtype=dtype, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
 
 class KVPools:
     """The pools of one engine, created on first use per cache key (width and dtype come from the model)."""
@@ -118,10 +98,6 @@ class KVPools:
         if pool is None:
             pool = self.pools[key] = KVPool(self.num_blocks, self.block_size, ratio, width, dtype, self.device)
         return pool
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pools.values())
 
     def factory(self, table: list[int]) -> Callable[[object, int], PagedRows]:
         """Row stores of one request: ``table`` is its block id list (shared, grown by the scheduler)."""

@@ -132,24 +132,25 @@ class SamplerOutput:
         return out
 
 
+def _fill_logprobs(out: SamplerOutput, logprobs: torch.Tensor, num_logprobs: list[int | None]) -> None:
+    """Logprob and rank of each row's ``out.token_ids`` in ``logprobs`` [B, V], plus the top alternatives up to
+    the largest count asked (rank = 1 + number of tokens with a strictly larger logprob)."""
+    v = logprobs.shape[-1]
+    chosen = logprobs.gather(-1, out.token_ids.unsqueeze(-1))
+    out.sampled_logprobs = chosen.squeeze(-1)
+    out.sampled_ranks = 1 + (logprobs > chosen).sum(-1)
+    k = min(max(n for n in num_logprobs if n is not None), v)
+    out.top_logprobs, out.top_token_ids = topk_logprobs(logprobs, k)
+    out.num_logprobs = [None if n is None else min(n, v) for n in num_logprobs]
+
+
 def prompt_logprob_entries(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[dict[int, Logprob]]:
     """Prompt logprobs (vLLM's default raw mode: log-softmax of the model's logits, no sampling
     processing): for each row of ``logits`` [n, V] fp32, the logprob and rank of ``targets[i]`` and the
-    top ``k`` alternatives."""
-    lp = log_softmax_rows(logits)
-    tgt = torch.tensor(list(targets), dtype=torch.long, device=lp.device)[:, None]
-    picked = lp.gather(-1, tgt)
-    ranks = (1 + (lp > picked).sum(-1)).tolist()
-    top_lp, top_ids = topk_logprobs(lp, min(k, lp.shape[-1])) if k else (None, None)
-    out = []
-    for i, t in enumerate(targets):
-        entry = {int(t): Logprob(float(picked[i, 0]), int(ranks[i]))}
-        for j in range(k):
-            alt = int(top_ids[i, j])
-            if alt not in entry:
-                entry[alt] = Logprob(float(top_lp[i, j]), j + 1)
-        out.append(entry)
-    return out
+    top ``k`` alternatives, in the same shape as the sampled tokens' logprobs."""
+    out = SamplerOutput(token_ids=torch.tensor(list(targets), dtype=torch.long, device=logits.device))
+    _fill_logprobs(out, log_softmax_rows(logits), [k] * len(targets))
+    return [out.logprobs_for(i) for i in range(len(targets))]
 
 
 class Sampler:
@@ -193,13 +194,7 @@ class Sampler:
 
         asked = [p.logprobs for p in params]
         if any(n is not None for n in asked):
-            logprobs = log_softmax_rows(processed)
-            sampled = logprobs.gather(-1, tokens.unsqueeze(-1))
-            out.sampled_logprobs = sampled.squeeze(-1)
-            out.sampled_ranks = 1 + (logprobs > sampled).sum(-1)
-            k = min(max(n for n in asked if n is not None), v)
-            out.top_logprobs, out.top_token_ids = topk_logprobs(logprobs, k)
-            out.num_logprobs = [None if n is None else min(n, v) for n in asked]
+            _fill_logprobs(out, log_softmax_rows(processed), asked)
         return out
 
     @staticmethod

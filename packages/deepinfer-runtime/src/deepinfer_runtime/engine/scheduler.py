@@ -98,17 +98,20 @@ class Scheduler:
             req.num_cached_tokens = hit.num_tokens
         req.num_registered_blocks, req.restore = len(hit.blocks), hit.snapshot
 
-    def _unadmit(self, req: Request) -> None:
+    def _drop_progress(self, req: Request) -> None:
+        """Back to nothing computed: blocks released (cached ones stay hittable), prefix hit forgotten."""
         self.blocks.release(req.block_ids)
         req.num_computed_tokens, req.num_registered_blocks, req.restore = 0, 0, None
+
+    def _unadmit(self, req: Request) -> None:
+        self._drop_progress(req)
         if req.num_preemptions == 0:
             req.num_cached_tokens = 0
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
-        self.blocks.release(req.block_ids)
-        req.cache, req.num_computed_tokens, req.status = None, 0, RequestStatus.WAITING
-        req.num_registered_blocks, req.restore = 0, None
+        self._drop_progress(req)
+        req.cache, req.status = None, RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req)
