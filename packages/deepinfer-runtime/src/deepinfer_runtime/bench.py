@@ -67,6 +67,12 @@ def run_bench(args: argparse.Namespace, llm, make_params) -> int:
         "device": str(llm.device),
         "dtype": str(llm.model.dtype),
     }
+    if llm.spec is not None:
+        result["speculative_config"] = {
+            "method": llm.spec.config.method,
+            "num_speculative_tokens": llm.spec.config.num_speculative_tokens,
+        }
+        result.update(llm.spec.stats.as_dict())
     rows = [
         ("requests", f"{len(ok)} ({result['rejected']} rejected)"),
         ("context / suffix / output", f"{context} / {suffix} / {output_len}"),
@@ -77,6 +83,9 @@ def run_bench(args: argparse.Namespace, llm, make_params) -> int:
         ("mean TTFT", f"{result['mean_ttft_s'] or 0:.3f} s"),
         ("prefix-cache hit rate", f"{result['prefix_cache_hit_rate']:.1%}"),
     ]
+    if llm.spec is not None:
+        rows.append(("mean accepted length", f"{result['spec_mean_accepted_length']:.2f}"))
+        rows.append(("draft acceptance", f"{result['spec_acceptance_rate']:.1%}"))
     print("\n".join(f"{k:<28}{v}" for k, v in rows))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,22 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument(
+        "--speculative-config",
+        type=_json_dict,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\'',
+    )
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _sampling_args(ap: argparse.ArgumentParser, max_tokens: int = 32) -> None:
@@ -62,6 +78,7 @@ def _llm(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         block_size=args.block_size,
+        speculative_config=args.speculative_config,
     )
 
 

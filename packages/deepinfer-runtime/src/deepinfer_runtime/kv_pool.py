@@ -35,6 +35,9 @@ class RowStore(Protocol):
     def resume(self, n: int) -> None:
         """Continue after the first ``n`` rows, already present in this store's blocks (prefix hit)."""
 
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` rows (speculative rollback); later appends overwrite the rest."""
+
 
 @dataclass
 class CacheSnapshot:
@@ -74,6 +77,11 @@ class TensorRows:
 
     def resume(self, n: int) -> None:
         raise RuntimeError("standalone caches cannot resume from a snapshot: prefix caching needs paged stores")
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self._n:
+            raise ValueError(f"truncate to {n} rows of {self._n}")
+        self._n = n
 
 
 class KVPool:
@@ -116,6 +124,11 @@ class PagedRows:
         return self._n
 
     def resume(self, n: int) -> None:
+        self._n = n
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self._n:
+            raise ValueError(f"truncate to {n} rows of {self._n}")
         self._n = n
 
     def _slots(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from deepinfer_runtime.engine.model_runner import ModelRunner
 from deepinfer_runtime.engine.prefix_cache import PrefixCache
 from deepinfer_runtime.engine.request import Request
 from deepinfer_runtime.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_runtime.engine.spec_decode import SpecDecoder
 from deepinfer_runtime.kv_pool import KVPools
 from deepinfer_runtime.model_loader import load_model
 from deepinfer_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -76,6 +77,11 @@ class LLM:
             this mode; the CPU references always are, so on the CPU it costs nothing.
         async_scheduling: plan and launch step N+1 while the device still runs step N (default: on for CUDA,
             off on the CPU, where host and device are the same cores). Outputs are identical either way.
+        speculative_config: speculative decoding, vLLM's dict shape: ``{"method": "dspark",
+            "num_speculative_tokens": 5}`` (V4.1's DSpark head), ``{"method": "ngram", ...}`` (prompt lookup,
+            any model); keys ``verification`` ("rejection" | "block"), ``varlen``, ``verify_budget``,
+            ``confidence_temperature`` (see ``deepinfer_spec.SpeculativeConfig``). None: DeepInfer's
+            ``DEEPINFER_USE_NEXTN_DECODE`` (off when unset or 0). Runs synchronously (async scheduling off).
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class LLM:
         batch_invariant: bool | None = None,
         log_stats: bool = True,
         async_scheduling: bool | None = None,
+        speculative_config: dict | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -131,7 +138,9 @@ class LLM:
         block_size = _block_size(block_size, self.model.growing_ratios())
         budget_bytes = self._kv_budget(gpu_memory_utilization, kv_cache_memory)
         snapshots = max_num_seqs if enable_prefix_caching else 0
-        self.budget = CacheBudget(self.model.cache_layout(), budget_bytes, max_num_seqs, block_size, snapshots)
+        self.spec = self._spec_decoder(speculative_config, max_num_batched_tokens)
+        layout = self.model.cache_layout(0 if self.spec is None else self.spec.backtrack)
+        self.budget = CacheBudget(layout, budget_bytes, max_num_seqs, block_size, snapshots)
         if log_stats:
             print(f"[deepinfer] KV cache accounting ({self.model.dtype}):\n{self.budget.summary()}", file=sys.stderr)
         blocks = BlockAllocator(self.budget.num_blocks, block_size)
@@ -144,15 +153,42 @@ class LLM:
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         pools = KVPools(blocks.num_blocks, block_size, self.device)
+        if async_scheduling is None:  # drafts need each step's tokens: speculative decoding runs synchronously
+            async_scheduling = self.device.type == "cuda" and self.spec is None
         self.engine = LLMEngine(
             sched,
-            ModelRunner(self.model, Sampler(self.eos), self.device, pools),
+            ModelRunner(self.model, Sampler(self.eos), self.device, pools, self.spec),
             self.tokenizer,
             self.eos,
-            async_scheduling=self.device.type == "cuda" if async_scheduling is None else bool(async_scheduling),
+            async_scheduling=bool(async_scheduling),
         )
         self.seed, self.enable_prefix_caching = seed, enable_prefix_caching
         self._next_request = 0
+
+    def _spec_decoder(self, arg: dict | None, max_rows: int) -> SpecDecoder | None:
+        from deepinfer_spec import SpeculativeConfig
+
+        from deepinfer_runtime.engine.proposers import build_proposer
+
+        config = SpeculativeConfig.from_engine_arg(arg)
+        if config is None:
+            return None
+        spec = SpecDecoder(
+            config,
+            build_proposer(self.model, config),
+            self.model.cfg.vocab_size,
+            self.max_model_len,
+            max_rows,
+            self.device,
+        )
+        yoco = getattr(self.model, "yoco_mode", "off")
+        window = self.model.cfg.sliding_window
+        if yoco != "off" and self.model.yoco_keep < window + spec.backtrack:
+            raise ValueError(
+                f"yoco_keep_tokens = {self.model.yoco_keep} must be >= sliding window {window} + backtracking "
+                f"{spec.backtrack} (num_speculative_tokens + 1) with speculative decoding (decisions Y2, Y6)"
+            )
+        return spec
 
     def _kv_budget(self, utilization: float | None, explicit: int | None) -> int:
         if explicit is not None:
@@ -240,7 +276,7 @@ class LLM:
         bar.close()
         elapsed = time.perf_counter() - start
         for i, reqs in groups.items():
-            outputs[i] = _to_output(reqs)
+            outputs[i] = _to_output(reqs, self.spec)
         if use_tqdm and total:
             n_in = sum(r.num_prompt_tokens for g in groups.values() for r in g)
             n_out = sum(len(r.output_token_ids) for g in groups.values() for r in g)
@@ -249,6 +285,8 @@ class LLM:
                 f"{n_out / elapsed:,.1f} output tok/s, {self.engine.num_steps} engine steps so far",
                 file=sys.stderr,
             )
+            if self.spec is not None:
+                print(f"[deepinfer] {self.spec.summary()}", file=sys.stderr)
         return outputs
 
     def chat(
@@ -291,7 +329,7 @@ def _architecture(path: Path) -> str | None:
         return None  # load_model reports the problem with the right error
 
 
-def _to_output(reqs: list[Request]) -> RequestOutput:
+def _to_output(reqs: list[Request], spec: SpecDecoder | None = None) -> RequestOutput:
     first = reqs[0]
     completions = []
     for k, r in enumerate(reqs):
@@ -319,7 +357,11 @@ def _to_output(reqs: list[Request]) -> RequestOutput:
         decode,
         first.num_cached_tokens,
         sum(r.num_preemptions for r in reqs),
+        None if spec is None else spec.stats.pop_request(first.request_id),
     )
+    if spec is not None:
+        for r in reqs[1:]:
+            spec.stats.pop_request(r.request_id)
     request_id = first.request_id.rsplit("-", 1)[0] if len(reqs) > 1 else first.request_id
     error = next((r.error for r in reqs if r.error is not None), None)  # engine-side failure (e.g. bad grammar)
     return RequestOutput(

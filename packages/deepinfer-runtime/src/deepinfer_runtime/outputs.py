@@ -27,6 +27,7 @@ class RequestMetrics:
     decode_tokens_per_s: float | None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    spec_decoding: dict | None = None  # speculative decoding counters (``deepinfer_spec.AcceptanceCounts``)
 
 
 @dataclass

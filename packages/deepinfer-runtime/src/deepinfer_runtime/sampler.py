@@ -169,9 +169,23 @@ class Sampler:
             self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+        processed = self.process(logits, requests)
+        device = logits.device
+        seeds = torch.tensor([seed_to_int64(r.effective_seed()) for r in requests], dtype=torch.int64, device=device)
+        positions = torch.tensor([r.effective_position() for r in requests], dtype=torch.int64, device=device)
+        tokens = draw_tokens(processed, seeds, positions)
+        out = SamplerOutput(token_ids=tokens)
+
+        asked = [r.params.logprobs for r in requests]
+        if any(n is not None for n in asked):
+            _fill_logprobs(out, log_softmax_rows(processed), asked)
+        return out
+
+    def process(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+        """Steps 1-4 of the module docstring: the processed fp32 logits [B, V] each row samples from (-inf where
+        filtered). Speculative verification compares draft tokens against these distributions."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"Sampler: logits must be [B, V] with B = {len(requests)}, got {tuple(logits.shape)}")
-        b, v = logits.shape
         device = logits.device
         x = logits.float().clone()
         params = [r.params for r in requests]
@@ -185,17 +199,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
-        seeds = torch.tensor([seed_to_int64(r.effective_seed()) for r in requests], dtype=torch.int64, device=device)
-        positions = torch.tensor([r.effective_position() for r in requests], dtype=torch.int64, device=device)
-
-        processed = process_logits(x, temperature, top_k, top_p, min_p, greedy)
-        tokens = draw_tokens(processed, seeds, positions)
-        out = SamplerOutput(token_ids=tokens)
-
-        asked = [p.logprobs for p in params]
-        if any(n is not None for n in asked):
-            _fill_logprobs(out, log_softmax_rows(processed), asked)
-        return out
+        return process_logits(x, temperature, top_k, top_p, min_p, greedy)
 
     @staticmethod
     def _check_ids(what: str, ids: list[int], v: int) -> None:

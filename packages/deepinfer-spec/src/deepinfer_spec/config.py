@@ -12,12 +12,13 @@ field                                     environment variable                  
                                           ``TEMPERATURE`` (one value or N, comma-separated)
 ========================================  =====================================  ==============
 
-Engine-argument keys: ``method`` ("dspark" | "mtp"), ``num_speculative_tokens``, ``verification``
+Engine-argument keys: ``method`` ("dspark" | "mtp" | "ngram"), ``num_speculative_tokens``, ``verification``
 ("rejection" | "block"; vLLM's ``rejection_sample_method`` "standard" | "block" is accepted as an
 alias), ``varlen`` (vLLM alias ``enable_adaptive_verification``), ``verify_budget`` (cap on verify rows
 per step, None: the largest profiled decode graph), ``confidence_temperature`` (float or list), and
-``model`` (must be None: the proposer lives in the target checkpoint). Unknown keys and bad values
-raise ``ValueError`` naming the field.
+``model`` (must be None: the proposer lives in the target checkpoint), and for "ngram" (vLLM's prompt
+lookup) ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram lengths, default 1 / 4). Unknown keys and bad
+values raise ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ENV_CONF_TEMP = "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # DI's DEEPINFER_USE_NEXTN_DECODE default (spec 8.5)
 MAX_NUM_SPECULATIVE_TOKENS = 32
-METHODS = ("dspark", "mtp")
+METHODS = ("dspark", "mtp", "ngram")
 VERIFICATIONS = ("rejection", "block")
 _VLLM_VERIFICATION = {"standard": "rejection", "rejection": "rejection", "block": "block"}
 _KEYS = (
@@ -47,6 +48,8 @@ _KEYS = (
     "verify_budget",
     "confidence_temperature",
     "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
 )
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -57,7 +60,8 @@ class SpeculativeConfig:
     """Speculative decoding settings (validated on construction).
 
     Attributes:
-        method: "dspark" (the V4.1 DSpark head, or V4-Flash-0731's) or "mtp" (V4-Flash's MTP layer).
+        method: "dspark" (the V4.1 DSpark head, or V4-Flash-0731's), "mtp" (V4-Flash's MTP layer) or
+            "ngram" (prompt lookup: drafts copied from the sequence itself; any model).
         num_speculative_tokens: N, the most drafts proposed per request and step, 1..32.
         verification: "rejection" (procedure V, the default, DeepInfer-compatible) or "block"
             (vLLM's block verification, opt-in; decision D4).
@@ -75,8 +79,16 @@ class SpeculativeConfig:
     varlen: bool = False
     verify_budget: int | None = None
     confidence_temperatures: tuple[float, ...] = (1.0,)
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
         n = self.num_speculative_tokens
@@ -182,6 +194,8 @@ class SpeculativeConfig:
             varlen=varlen,
             verify_budget=arg.get("verify_budget"),
             confidence_temperatures=temps,
+            prompt_lookup_min=arg.get("prompt_lookup_min", 1),
+            prompt_lookup_max=arg.get("prompt_lookup_max", max(4, arg.get("prompt_lookup_min", 1))),
         )
 
     def with_overrides(self, **fields: object) -> SpeculativeConfig:

@@ -17,6 +17,9 @@ class LLMEngine:
         self, scheduler: Scheduler, runner: ModelRunner, tokenizer, eos_token_ids: set[int], async_scheduling=False
     ):
         self.scheduler, self.runner, self.tokenizer, self.eos = scheduler, runner, tokenizer, eos_token_ids
+        self.spec = runner.spec  # speculative decoding (None: off); drafts need each step's tokens: synchronous
+        if self.spec is not None and async_scheduling:
+            raise ValueError("speculative decoding runs with async_scheduling off (drafts need the last step's tokens)")
         self.async_scheduling = async_scheduling
         self.num_steps = 0
         self.num_overlapped = 0  # steps processed while the next one was already launched
@@ -77,10 +80,11 @@ class LLMEngine:
         return any(r.num_pending and r.sampler_needs_history for r in reqs)
 
     def _process(self, plan: StepPlan, flight: InFlight) -> list[Request]:
-        """Apply a finished step's results: prompt logprobs, new tokens, stop checks."""
+        """Apply a finished step's results: prompt logprobs, new tokens, stop checks; with speculative
+        decoding, the verified tokens, the rollback of rejected drafts and the next drafts."""
         result = flight.result()
         now = time.perf_counter()
-        finished = []
+        finished, drafting, after_prefill = [], [], []
         for chunk in plan.chunks:
             req = chunk.request
             if req.request_id in result.prompt_logprobs:  # positions are absolute: a recompute overwrites
@@ -88,37 +92,64 @@ class LLMEngine:
                 if req.prompt_logprobs is None:
                     req.prompt_logprobs = [None] * req.num_prompt_tokens
                 req.prompt_logprobs[first : first + len(entries)] = entries
-            token = result.tokens.get(req.request_id)
-            if token is None:
-                continue
-            req.num_pending -= 1
-            if req.finished:  # it stopped on the previous step's token; this one ran past the end
-                continue
-            if req.grammar is not None and not req.grammar.accept(token):  # bad grammar: this request only
-                req.error = req.grammar.error
-                self.scheduler.finish(req, "error")
-                req.finish_time = now
-                finished.append(req)
-                continue
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.params.logprobs is not None:
-                req.logprobs.append(result.logprobs[req.request_id])
-            if req.request_id in result.sampled_logprob:
-                req.cumulative_logprob += result.sampled_logprob[req.request_id]
-            reason = self._check_stop(req, token)
-            if reason is None and req.grammar is not None and req.grammar.is_finished:
-                reason = "grammar"  # complete and nothing may follow: stop without waiting for EOS
-            if reason is not None:
-                if req.detokenizer is not None:
-                    req.output_text += req.detokenizer.finish() if reason != "stop_string" else ""
-                self.scheduler.finish(
-                    req, "stop" if reason in ("eos", "stop_token", "stop_string", "grammar") else reason
-                )
-                req.finish_time = now
-                finished.append(req)
+            outcome = result.spec.get(req.request_id)
+            if outcome is not None:
+                req.num_pending -= 1
+                self._apply_verified(req, outcome, now, finished)
+            else:
+                token = result.tokens.get(req.request_id)
+                if token is None:
+                    continue
+                req.num_pending -= 1
+                if req.finished:  # it stopped on the previous step's token; this one ran past the end
+                    continue
+                logprob = result.sampled_logprob.get(req.request_id)
+                self._append(req, token, result.logprobs.get(req.request_id), logprob, now, finished)
+            if self.spec is not None and not req.finished:
+                drafting.append(req)
+                after_prefill.append(chunk.start < req.prefill_len)
+        if drafting:
+            self.spec.propose(drafting, after_prefill)
         return finished
+
+    def _apply_verified(self, req: Request, outcome, now: float, finished: list[Request]) -> None:
+        """Append a verify step's emitted tokens (up to a stop), count it, and roll the rejected drafts back."""
+        req.clear_drafts()
+        self.spec.record(req, outcome)
+        for i, token in enumerate(outcome.tokens):
+            entry = None if outcome.entries is None else outcome.entries[i]
+            if self._append(req, token, entry, outcome.logprobs[i], now, finished):
+                return  # tokens after a stop are dropped with the request's caches
+        if outcome.num_rejected:
+            req.num_computed_tokens -= outcome.num_rejected
+            self.runner.model.rollback_cache(req.cache, outcome.num_rejected, req.token_ids)
+
+    def _append(self, req: Request, token: int, logprobs, sampled_logprob, now: float, finished: list) -> bool:
+        """Append one sampled token and apply the stop rules; True when the request finished."""
+        if req.grammar is not None and not req.grammar.accept(token):  # bad grammar: this request only
+            req.error = req.grammar.error
+            self.scheduler.finish(req, "error")
+            req.finish_time = now
+            finished.append(req)
+            return True
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.logprobs is not None:
+            req.logprobs.append(logprobs)
+        if sampled_logprob is not None:
+            req.cumulative_logprob += sampled_logprob
+        reason = self._check_stop(req, token)
+        if reason is None and req.grammar is not None and req.grammar.is_finished:
+            reason = "grammar"  # complete and nothing may follow: stop without waiting for EOS
+        if reason is None:
+            return False
+        if req.detokenizer is not None:
+            req.output_text += req.detokenizer.finish() if reason != "stop_string" else ""
+        self.scheduler.finish(req, "stop" if reason in ("eos", "stop_token", "stop_string", "grammar") else reason)
+        req.finish_time = now
+        finished.append(req)
+        return True
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.params

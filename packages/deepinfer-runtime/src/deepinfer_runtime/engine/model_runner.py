@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_runtime.engine.scheduler import StepPlan
+from deepinfer_runtime.engine.spec_decode import SpecOutcome
 from deepinfer_runtime.kv_pool import KVPools
 from deepinfer_runtime.sampler import Logprob, Sampler, SamplerOutput, SamplingRequest, prompt_logprob_entries
 from deepinfer_runtime.structured.mask import apply_grammar_bitmask
@@ -26,14 +27,17 @@ class StepResult:
     logprobs: dict[str, dict[int, Logprob] | None] = field(default_factory=dict)
     sampled_logprob: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)  # (first pos, ..)
+    spec: dict[str, SpecOutcome] = field(default_factory=dict)  # verifying requests: their emitted tokens
 
 
 class ModelRunner:
     """``pools`` hold the growing cache kinds of every request (block ids from the scheduler); a request's
-    model cache is built on its first chunk: empty, or resumed from its prefix hit's snapshot."""
+    model cache is built on its first chunk: empty, or resumed from its prefix hit's snapshot. With ``spec``
+    (speculative decoding) caches keep rings of B extra rows and chunks with drafts are verified."""
 
-    def __init__(self, model: torch.nn.Module, sampler: Sampler, device: torch.device, pools: KVPools):
-        self.model, self.sampler, self.device, self.pools = model, sampler, device, pools
+    def __init__(self, model: torch.nn.Module, sampler: Sampler, device: torch.device, pools: KVPools, spec=None):
+        self.model, self.sampler, self.device, self.pools, self.spec = model, sampler, device, pools, spec
+        self.backtrack = 0 if spec is None else spec.backtrack
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last launch's sampled tokens, by request
 
     @torch.no_grad()
@@ -51,14 +55,15 @@ class ModelRunner:
             if req.cache is None:
                 stores = self.pools.factory(req.block_ids)
                 if req.restore is not None:
-                    req.cache, req.restore = self.model.restore_cache(req.restore, stores), None
+                    req.cache, req.restore = self.model.restore_cache(req.restore, stores, self.backtrack), None
                 else:
-                    req.cache = self.model.new_cache(stores)
+                    req.cache = self.model.new_cache(stores, self.backtrack)
             chunks.append(self._input_ids(req, c.start, c.num_tokens))
             caches.append(req.cache)
             prefill = c.start < req.prefill_len
             prompt_lens.append(req.prefill_len if prefill else None)
-            last = torch.tensor([c.num_tokens - 1]) if c.sample else torch.zeros(0, dtype=torch.long)
+            k = len(req.spec_token_ids) if c.sample else 0  # drafts: the anchor's and every draft's row
+            last = torch.arange(c.num_tokens - 1 - k, c.num_tokens) if c.sample else torch.zeros(0, dtype=torch.long)
             # prompt logprobs: row p predicts prompt token p + 1, so rows up to the prompt's second last token
             n_plp = 0
             if req.params.prompt_logprobs is not None:
@@ -73,7 +78,14 @@ class ModelRunner:
                 targets = req.token_ids(c.start + 1, c.start + 1 + n_plp)
                 entries = prompt_logprob_entries(lg[:n_plp].float(), targets, req.params.prompt_logprobs)
                 flight.prompt_logprobs[req.request_id] = (c.start + 1, entries)
-        sampled = [(c, lg[-1:]) for c, lg in zip(plan.chunks, logits) if c.sample]
+        verifying = [
+            (c.request, c.start + c.num_tokens - lg.shape[0], lg)
+            for c, lg in zip(plan.chunks, logits)
+            if c.sample and c.request.spec_token_ids
+        ]
+        if verifying:
+            flight.spec = self.spec.verify(self.sampler, verifying)
+        sampled = [(c, lg[-1:]) for c, lg in zip(plan.chunks, logits) if c.sample and not c.request.spec_token_ids]
         if not sampled:
             self._prev = None
             return flight
@@ -109,12 +121,13 @@ class InFlight:
     """A launched step: its device-side sampler output, turned into a ``StepResult`` on demand."""
 
     prompt_logprobs: dict = field(default_factory=dict)
+    spec: dict = field(default_factory=dict)
     sampled: list[str] = field(default_factory=list)
     out: SamplerOutput | None = None
 
     def result(self) -> StepResult:
         """Wait for the device and convert (the only synchronisation of a step)."""
-        res = StepResult(prompt_logprobs=self.prompt_logprobs)
+        res = StepResult(prompt_logprobs=self.prompt_logprobs, spec=self.spec)
         if self.out is None:
             return res
         out = self.out

@@ -7,6 +7,10 @@ are the same thing: the next ``min(num_tokens - num_computed_tokens, budget)`` t
 Under async scheduling a sampled token may still be on the device when the next step is planned: it
 counts in ``num_tokens`` as ``num_pending`` (its value, -1 in ``token_ids``, is filled in on the device
 by the runner), and only the ``num_known_tokens`` ever feed hashes, detokenizing or stop checks.
+
+Under speculative decoding the drafts proposed for the next step (``spec_token_ids``) are tokens too: they
+count in ``num_tokens`` and follow the known tokens in ``token_ids``, so the scheduler's one rule schedules
+[anchor, drafts] as one chunk. Verification turns them into output tokens or rolls them back.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class Request:
     grammar: Any = None  # structured.RequestGrammar when the request asks for structured outputs
     error: str | None = None  # why the engine ended this request with finish_reason "error"
     num_pending: int = 0  # sampled on the device, not yet appended (async: 1 when planned, 2 in between)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at the next step
+    spec_logprobs: Any = None  # fp32 [len(spec_token_ids), V]: the processed distributions they were drawn from
+    spec_placeholder: bool = False  # the drafts are decision D6's placeholders (not counted in statistics)
+    spec_num_proposed: int = 0  # drafts the proposer offered for the next step (varlen may verify fewer)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,11 +75,15 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_known_tokens + self.num_pending
+        return self.num_known_tokens + self.num_pending + len(self.spec_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output; -1 for pending positions (values still on the device)."""
+        """Tokens [start, end) of prompt + output (+ drafts); -1 for pending positions (values still on the
+        device; speculative decoding runs synchronously, so a request never has both)."""
         p, known = len(self.prompt_token_ids), self.num_known_tokens
+        if self.spec_token_ids and end > known:
+            spec = self.spec_token_ids[max(start - known, 0) : end - known]
+            return (self.token_ids(start, known) if start < known else []) + spec
         pad = [-1] * max(end - max(start, known), 0)
         end = min(end, known)
         if end <= p:
@@ -94,6 +106,9 @@ class Request:
         p = self.params
         penalties = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         return penalties or p.min_tokens > len(self.output_token_ids) or self.grammar is not None
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_logprobs, self.spec_placeholder, self.spec_num_proposed = [], None, False, 0
 
     @property
     def finished(self) -> bool:

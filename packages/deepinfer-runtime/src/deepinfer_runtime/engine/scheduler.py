@@ -80,6 +80,13 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         n = min(n, cap) if cap > 0 else n
         start = req.num_computed_tokens
+        if req.spec_token_ids:  # [anchor, drafts] run whole: drafts that do not fit the budget are dropped
+            drop = req.num_tokens - start - n
+            if drop:
+                keep = max(len(req.spec_token_ids) - drop, 0)
+                req.spec_token_ids = req.spec_token_ids[:keep]
+                req.spec_logprobs = None if not keep else req.spec_logprobs[:keep]
+            return req.num_tokens - start
         if self.prefix is not None and start + n < req.num_tokens:
             end = (start + n) // self.blocks.block_size * self.blocks.block_size
             n = end - start if end > start else n  # end on a block boundary: a snapshot point
@@ -102,6 +109,7 @@ class Scheduler:
         """Back to nothing computed: blocks released (cached ones stay hittable), prefix hit forgotten."""
         self.blocks.release(req.block_ids)
         req.num_computed_tokens, req.num_registered_blocks, req.restore = 0, 0, None
+        req.clear_drafts()
 
     def _unadmit(self, req: Request) -> None:
         self._drop_progress(req)

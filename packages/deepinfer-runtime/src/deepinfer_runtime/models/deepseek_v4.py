@@ -69,6 +69,7 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = linear(xf, self.wkv.weight.float())
         score = linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        state.remember(kv, score, self.ratio, self.head_dim if self.overlap else 0)
         kv, score = cat_rows(state.pending_kv, kv), cat_rows(state.pending_score, score)
         usable = kv.shape[0] // self.ratio * self.ratio
         state.pending_kv, state.pending_score = kv[usable:], score[usable:]
@@ -163,7 +164,8 @@ class Attention(nn.Module):
         win = self.cfg.sliding_window
         rows = cat_rows(cache.window, kv)  # latents of positions base .. last
         base = int(positions[0]) - (rows.shape[0] - kv.shape[0])
-        cache.window = rows[-(win - 1) :] if win > 1 else rows[:0]
+        keep = win - 1 + cache.backtrack  # W - 1 rows to attend, B more to roll back into
+        cache.window = rows[-keep:] if keep > 0 else rows[:0]
         # window: positions t-win+1 .. t, as rows of `rows`
         key_pos = positions[:, None] - win + 1 + torch.arange(win, device=x.device)
         idx = torch.where(key_pos >= 0, key_pos - base, -1)
@@ -249,12 +251,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
 
-    def new_cache(self, new_rows: RowFactory | None = None) -> SequenceCache:
-        """An empty request cache; ``new_rows`` makes its entry stores (default: standalone tensors)."""
-        return SequenceCache.empty(self.cfg.num_hidden_layers, new_rows)
+    def new_cache(self, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
+        """An empty request cache; ``new_rows`` makes its entry stores (default: standalone tensors);
+        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens."""
+        return SequenceCache.empty(self.cfg.num_hidden_layers, new_rows, backtrack)
 
-    def restore_cache(self, snap: CacheSnapshot, new_rows: RowFactory) -> SequenceCache:
-        return SequenceCache.restore(snap, new_rows)
+    def restore_cache(self, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
+        return SequenceCache.restore(snap, new_rows, backtrack)
+
+    def rollback_cache(self, cache: SequenceCache, num_tokens: int, token_ids=None) -> None:
+        """Undo the last ``num_tokens`` tokens of ``cache`` (rejected drafts; at most its backtrack B).
+        ``token_ids`` is accepted for interface parity with V4.1 (V4's state needs no token ids)."""
+        cache.rollback(num_tokens)
 
     def growing_ratios(self) -> set[int]:
         """Compression ratios of the growing cache kinds (an engine block must hold whole groups)."""
@@ -264,8 +272,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Tokens a prefix hit must leave to recompute: the row whose logits come next."""
         return 1
 
-    def cache_layout(self) -> CacheLayout:
-        return v4_cache_layout(self.cfg, self.dtype)
+    def cache_layout(self, backtrack: int = 0) -> CacheLayout:
+        return v4_cache_layout(self.cfg, self.dtype, backtrack)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
@@ -335,19 +343,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
 
 
-def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype) -> CacheLayout:
-    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``)."""
+def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0) -> CacheLayout:
+    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``). ``backtrack``
+    B: the rings' extra rows for speculative rollback (windows W - 1 + B; projection rings of the compressors)."""
     e = torch.finfo(dtype).bits // 8
-    w, d, dh = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
     r_csa, r_hca = cfg.compress_rates[CSA], cfg.compress_rates[HCA]
     n_csa, n_hca = kinds.count(CSA), kinds.count(HCA)
     # pending rows (ratio - 1) of kv + score, plus CSA's carried A-halves (ratio rows of kv + score), fp32
     csa_state = ((r_csa - 1) * 2 * 2 * d + r_csa * 2 * d) * 4 + ((r_csa - 1) * 2 * 2 * dh + r_csa * 2 * dh) * 4
     hca_state = (r_hca - 1) * 2 * d * 4
+    if b:  # rings of projected rows (kv + score): CSA 2 * ratio - 1 + B (kv and indexer), HCA ratio - 1 + B
+        csa_state += (2 * r_csa - 1 + b) * 2 * (2 * d + 2 * dh) * 4
+        hca_state += (r_hca - 1 + b) * 2 * d * 4
     return CacheLayout(
         (
-            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1) * d * e),
+            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
             CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),
             CacheKind("index keys (CSA)", n_csa * dh * e / r_csa, 0),
             CacheKind("compressed KV (HCA)", n_hca * d * e / r_hca, 0),

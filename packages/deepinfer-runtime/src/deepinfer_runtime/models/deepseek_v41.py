@@ -77,10 +77,28 @@ class SourceState:
     ratio: int
     tail_kv: torch.Tensor | None = None
     tail_score: torch.Tensor | None = None
+    recent_kv: torch.Tensor | None = None  # the last ratio - 1 + B projections (rollback ring; B > 0 only)
+    recent_score: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:
         return len(self.entries)
+
+    def rollback(self, old_len: int, new_len: int) -> None:
+        """Forget the rows fed after ``new_len`` (of ``old_len``): entries and keys of groups that are no
+        longer complete, and the incomplete group's projections rebuilt from the recent ring."""
+        r, n = self.ratio, new_len // self.ratio
+        self.entries.truncate(n)
+        self.keys.truncate(n)
+        if r == 1:
+            return
+        have = 0 if self.recent_kv is None else self.recent_kv.shape[0]
+        first = old_len - have  # position of recent row 0
+        if n * r < first:
+            raise RuntimeError(f"rollback to {new_len} needs projections from {n * r}; the ring starts at {first}")
+        lo, hi = n * r - first, new_len - first
+        self.tail_kv, self.tail_score = self.recent_kv[lo:hi], self.recent_score[lo:hi]
+        self.recent_kv, self.recent_score = self.recent_kv[:hi], self.recent_score[:hi]
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -105,6 +123,7 @@ class V41SequenceCache:
     ctx_end: int = 0
     seq_len: int = 0
     new_rows: Callable[[object, int], RowStore] = field(default=lambda key, ratio: TensorRows(), repr=False)
+    backtrack: int = 0  # B: tokens a speculative step may roll back; rings keep B rows beyond their need
 
     def source(self, layer: int, ratio: int) -> SourceState:
         src = self.sources.get(layer)
@@ -128,16 +147,41 @@ class V41SequenceCache:
         return CacheSnapshot(fixed, tails, lengths)
 
     @classmethod
-    def restore(cls, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore]) -> V41SequenceCache:
+    def restore(
+        cls, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore], backtrack: int = 0
+    ) -> V41SequenceCache:
         """A cache continuing from ``snap`` whose growing stores resume at the snapshot's lengths."""
         f = snap.fixed
         cache = cls(dict(f.windows), {}, f.engram_history, dict(f.dspark_ctx), f.ctx_end, f.seq_len, new_rows)
+        cache.backtrack = backtrack
         for layer, (ratio, n) in snap.lengths.items():
             src = cache.source(layer, ratio)
             src.entries.resume(n)
             src.keys.resume(n)
             src.tail_kv, src.tail_score = snap.tails[layer]
+            src.recent_kv, src.recent_score = snap.tails[layer]  # the ring restarts at the group start
         return cache
+
+    def rollback(self, num_tokens: int, engram_history: torch.Tensor | None) -> None:
+        """Undo the last ``num_tokens`` tokens (rejected drafts), at most ``backtrack`` of them: the state
+        becomes exactly that of a cache that never ran them. ``engram_history`` is the lookback of the
+        kept sequence (the model recomputes it from the token ids)."""
+        if not num_tokens:
+            return
+        if num_tokens > self.backtrack:
+            raise RuntimeError(
+                f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {self.backtrack}"
+            )
+        old, new = self.seq_len, self.seq_len - num_tokens
+        for layer, w in self.windows.items():
+            self.windows[layer] = w[: max(w.shape[0] - num_tokens, 0)]
+        for src in self.sources.values():
+            src.rollback(old, new)
+        for k, ctx in self.dspark_ctx.items():
+            drop = max(self.ctx_end - new, 0)
+            self.dspark_ctx[k] = ctx[: max(ctx.shape[0] - drop, 0)]
+        self.ctx_end = min(self.ctx_end, new)
+        self.engram_history, self.seq_len = engram_history, new
 
 
 @dataclass
@@ -337,13 +381,17 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(1))
 
     # --- incremental driver ------------------------------------------------------------------------------
-    def feed_compressor(self, x: torch.Tensor, pos: torch.Tensor, src: SourceState) -> None:
+    def feed_compressor(self, x: torch.Tensor, pos: torch.Tensor, src: SourceState, backtrack: int = 0) -> None:
         """Append the chunk's rows to this KV source; publish every completed group."""
         kv, score = self.compressor.project(x)
         r = self.ratio
         if r == 1:
             latent, group_pos = kv, pos
         else:
+            if backtrack:  # the projections a rollback of up to B rows needs to rebuild the tail
+                keep = r - 1 + backtrack
+                src.recent_kv = cat_rows(src.recent_kv, kv)[-keep:]
+                src.recent_score = cat_rows(src.recent_score, score)[-keep:]
             kv, score = cat_rows(src.tail_kv, kv), cat_rows(src.tail_score, score)
             usable = kv.shape[0] // r * r
             src.tail_kv, src.tail_score = kv[usable:], score[usable:]
@@ -362,7 +410,7 @@ class Attention(nn.Module):
         (all rows of the chunk, also in compact YOCO mode). ``shared`` carries top-k / candidates from
         sources to consumers within this step."""
         if self.kv_source == self.layer:
-            self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio))
+            self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio), cache.backtrack)
         if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
             return x.new_zeros(0, self.cfg.hidden_size)
         qr, q = self.query(x, pos)
@@ -370,7 +418,8 @@ class Attention(nn.Module):
         old = cache.windows.get(self.layer)
         rows = cat_rows(old, kv)
         first = int(pos[0]) - (0 if old is None else old.shape[0])
-        cache.windows[self.layer] = rows[-(self.window - 1) :] if self.window > 1 else rows[:0]
+        keep = self.window - 1 + cache.backtrack  # W - 1 rows to attend, B more to roll back into
+        cache.windows[self.layer] = rows[-keep:] if keep > 0 else rows[:0]
         if self.ratio == 0:
             return self.attend(q, rows, None, self.window_ids(pos, first, floor), None, pos)
         src = cache.sources[self.kv_source]
@@ -569,12 +618,29 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
 
-    def new_cache(self, new_rows: Callable[[object, int], RowStore] | None = None) -> V41SequenceCache:
-        """An empty request cache; ``new_rows`` makes its growing stores (default: standalone tensors)."""
-        return V41SequenceCache() if new_rows is None else V41SequenceCache(new_rows=new_rows)
+    def new_cache(
+        self, new_rows: Callable[[object, int], RowStore] | None = None, backtrack: int = 0
+    ) -> V41SequenceCache:
+        """An empty request cache; ``new_rows`` makes its growing stores (default: standalone tensors);
+        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens."""
+        cache = V41SequenceCache(backtrack=backtrack)
+        if new_rows is not None:
+            cache.new_rows = new_rows
+        return cache
 
-    def restore_cache(self, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore]) -> V41SequenceCache:
-        return V41SequenceCache.restore(snap, new_rows)
+    def restore_cache(
+        self, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore], backtrack: int = 0
+    ) -> V41SequenceCache:
+        return V41SequenceCache.restore(snap, new_rows, backtrack)
+
+    def rollback_cache(self, cache: V41SequenceCache, num_tokens: int, token_ids: Callable[[int, int], list[int]]):
+        """Undo the last ``num_tokens`` tokens of ``cache`` (rejected drafts; at most its backtrack B).
+        ``token_ids(start, end)`` reads the request's kept tokens (the Engram lookback is rebuilt from them)."""
+        new = cache.seq_len - num_tokens
+        lookback = self.cfg.engram_max_ngram_size - 1
+        ids = torch.tensor(token_ids(max(new - lookback, 0), new), dtype=torch.long, device=self.embed.weight.device)
+        history = engram_next_history(self.engram_token_map[ids][None], None, self.cfg.engram_max_ngram_size)
+        cache.rollback(num_tokens, history)
 
     def growing_ratios(self) -> set[int]:
         """Compression ratios of the growing cache kinds (an engine block must hold whole groups)."""
@@ -585,8 +651,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         Y5: the decoder windows are rebuilt from the request's own last K tokens), else the last row."""
         return self.yoco_keep if self.yoco_mode != "off" else 1
 
-    def cache_layout(self) -> CacheLayout:
-        return v41_cache_layout(self.cfg, self.dtype)
+    def cache_layout(self, backtrack: int = 0) -> CacheLayout:
+        return v41_cache_layout(self.cfg, self.dtype, backtrack)
 
     # --- shared pieces -----------------------------------------------------------------------------------
     def engram_ids(self, ids: torch.Tensor, history: torch.Tensor | None) -> dict[int, torch.Tensor]:
@@ -731,9 +797,38 @@ class DeepseekV41ForCausalLM(nn.Module):
         for k, stage in enumerate(self.mtp):
             kv = stage.attn.window_kv(feat, pos)
             old = cache.dspark_ctx.get(k)
-            cache.dspark_ctx[k] = cat_rows(old, kv)[-stage.attn.window :]
+            cache.dspark_ctx[k] = cat_rows(old, kv)[-(stage.attn.window + cache.backtrack) :]
         if pos.numel():
             cache.ctx_end = int(pos[-1]) + 1
+
+    @torch.no_grad()
+    def dspark_hidden(self, anchors: torch.Tensor, caches: list[V41SequenceCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Procedure D steps 1-4 for each request's block: rows [anchor, noise x (N-1)] at positions
+        a .. a+N-1 (a = the cache's seq_len) attend to each stage's last W context rows and to each other.
+
+        Returns (base logits U fp32 [B, N, V] = head(norm(h)), pre-norm hiddens h [B, N, d]); the Markov
+        stage (``deepinfer_spec.markov_drafts``) turns them into drafts.
+        """
+        cfg = self.cfg
+        if not self.mtp:
+            raise ValueError("this checkpoint has no DSpark head (num_nextn_predict_layers = 0)")
+        n, dev = cfg.dspark_block_size, anchors.device
+        bases, hiddens = [], []
+        for anchor, cache in zip(anchors.tolist(), caches):
+            a = cache.seq_len
+            if cache.ctx_end != a:
+                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
+            pos = torch.arange(a, a + n, device=dev)
+            ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (n - 1), device=dev)
+            x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+            pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, dev)
+            for k, stage in enumerate(self.mtp):
+                ctx = cache.dspark_ctx.get(k, x.new_zeros(0, cfg.head_dim))[-stage.attn.window :]
+                x, pre_mix = stage.run(x, pre_mix, partial(stage.block_attention, pos=pos, ctx=ctx))
+            h = mhc_collapse(x, pre_mix)
+            bases.append(linear(self.mtp[-1].norm(h).float(), self.head.weight.float()))
+            hiddens.append(h)
+        return torch.stack(bases), torch.stack(hiddens)
 
     @torch.no_grad()
     def draft_block(
@@ -744,37 +839,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         generator: torch.Generator | None = None,
         confidence_temperature: float = 1.0,
     ) -> DraftBlock:
-        """Draft N = dspark_block_size tokens after each request's anchor (the token at position seq_len).
-
-        Block rows [anchor, noise x (N-1)] at positions a .. a+N-1 attend to each stage's context rows
-        a-W .. a-1 and to each other; drafts are sampled one by one with the Markov bias (greedy when
-        ``temperature`` is 0). Returns tokens, confidences c_k = sigmoid(clamp(w.[h_k; W1[x_{k-1}]] / T, +-60))
-        and the processed draft log-distributions.
+        """Draft N = dspark_block_size tokens after each request's anchor (the token at position seq_len),
+        sampled one by one with the Markov bias (greedy when ``temperature`` is 0; ``generator`` otherwise).
+        Returns tokens, confidences c_k = sigmoid(clamp(w.[h_k; W1[x_{k-1}]] / T, +-60)) and the processed
+        draft log-distributions. (The engine's proposer samples with each request's own parameters and
+        seeded streams instead: ``deepinfer_runtime.engine.proposers``.)
         """
-        cfg = self.cfg
-        if not self.mtp:
-            raise ValueError("this checkpoint has no DSpark head (num_nextn_predict_layers = 0)")
-        n = cfg.dspark_block_size
+        base, hidden = self.dspark_hidden(anchors, caches)
+        last = self.mtp[-1]
+        w1 = last.markov_head.embed.weight
         out_tok, out_conf, out_lp = [], [], []
-        for anchor, cache in zip(anchors.tolist(), caches):
-            a = cache.seq_len
-            if cache.ctx_end != a:
-                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
-            pos = torch.arange(a, a + n, device=anchors.device)
-            ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (n - 1), device=anchors.device)
-            x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-            pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, anchors.device)
-            for k, stage in enumerate(self.mtp):
-                ctx = cache.dspark_ctx.get(k, x.new_zeros(0, cfg.head_dim))
-                x, pre_mix = stage.run(x, pre_mix, partial(stage.block_attention, pos=pos, ctx=ctx))
-            last = self.mtp[-1]
-            h = mhc_collapse(x, pre_mix)  # pre-norm hidden per block row
-            base = linear(last.norm(h).float(), self.head.weight.float())
-            w1 = last.markov_head.embed.weight
+        for anchor, u, h in zip(anchors.tolist(), base, hidden):
             prev, toks, confs, lps = anchor, [], [], []
-            for k in range(n):
+            for k in range(u.shape[0]):
                 m = w1[prev].float()
-                logits_k = base[k] + linear(m[None], last.markov_head.head.weight.float())[0]
+                logits_k = u[k] + linear(m[None], last.markov_head.head.weight.float())[0]
                 feat = torch.cat([h[k].float(), m])
                 c = linear(feat[None], last.confidence_head.proj.weight.float())[0, 0] / confidence_temperature
                 confs.append(torch.sigmoid(c.clamp(-60, 60)))
@@ -809,19 +888,21 @@ class DeepseekV41ForCausalLM(nn.Module):
 __all__ = ["DeepseekV41ForCausalLM", "V41SequenceCache", "DraftBlock", "TRUNCATION_MODES"]
 
 
-def v41_cache_layout(cfg: DeepseekV41Config, dtype: torch.dtype) -> CacheLayout:
+def v41_cache_layout(cfg: DeepseekV41Config, dtype: torch.dtype, backtrack: int = 0) -> CacheLayout:
     """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``; the
-    packed GPU records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``)."""
+    packed GPU records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``). ``backtrack`` B: the rings'
+    extra rows for speculative rollback (windows W - 1 + B, compressor projections ratio - 1 + B more)."""
     e = torch.finfo(dtype).bits // 8
-    w, d, dh = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     sources = [(layer, cfg.compress_ratio(layer)) for layer in cfg.kv_source_layer_ids]
+    ring = sum((r - 1 + b) * 2 * d * 4 for _, r in sources if r > 1) if b else 0
     return CacheLayout(
         (
-            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1) * d * e),
+            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
             CacheKind("compressed KV", sum(d * e / r for _, r in sources), 0),
             CacheKind("index keys", sum(dh * e / r for _, r in sources), 0),
-            CacheKind("compressor tails (fp32)", 0, sum((r - 1) * 2 * d * 4 for _, r in sources)),
+            CacheKind("compressor tails (fp32)", 0, sum((r - 1) * 2 * d * 4 for _, r in sources) + ring),
             CacheKind("Engram lookback", 0, (cfg.engram_max_ngram_size - 1) * 8 if cfg.engram_layer_ids else 0),
-            CacheKind("DSpark context", 0, cfg.num_nextn_predict_layers * w * d * e),
+            CacheKind("DSpark context", 0, cfg.num_nextn_predict_layers * (w + b) * d * e),
         )
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_runtime.kv_pool import CacheSnapshot, RowStore, TensorRows
+from deepinfer_runtime.models.layers import cat_rows
 
 RowFactory = Callable[[object, int], RowStore]
 
@@ -45,6 +46,41 @@ class CompressorState:
     prev_score: torch.Tensor | None = None
     entries: RowStore | None = None
     ratio: int = 0
+    backtrack: int = 0  # B > 0: keep the projections a rollback of up to B rows needs (recent_*)
+    recent_kv: torch.Tensor | None = None  # [<= 2*ratio - 1 + B, C] the last projected rows
+    recent_score: torch.Tensor | None = None
+    prev_width: int = 0  # C of prev_kv (overlapping CSA), 0 without overlap
+
+    def remember(self, kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap_width: int) -> None:
+        """Record freshly projected rows in the rollback ring (only when B > 0)."""
+        if self.backtrack:
+            self.ratio = ratio
+            keep = (2 if overlap_width else 1) * ratio - 1 + self.backtrack  # + the previous window
+            self.recent_kv = cat_rows(self.recent_kv, kv)[-keep:]
+            self.recent_score = cat_rows(self.recent_score, score)[-keep:]
+            self.prev_width = overlap_width
+
+    def rollback(self, old_len: int, new_len: int) -> None:
+        """Forget the rows fed after ``new_len`` (of ``old_len``): entries of groups no longer complete; the
+        pending group and the previous window's A-halves rebuilt from the ring."""
+        if not self.ratio:  # never fed
+            return
+        r = self.ratio
+        n = new_len // r
+        if self.entries is not None:
+            self.entries.truncate(n)
+        have = 0 if self.recent_kv is None else self.recent_kv.shape[0]
+        first = old_len - have  # position of recent row 0
+        need = (n - 1) * r if self.prev_width and n else n * r
+        if need < first:
+            raise RuntimeError(f"rollback to {new_len} needs projections from {need}; the ring starts at {first}")
+        lo, hi = n * r - first, new_len - first
+        self.pending_kv, self.pending_score = self.recent_kv[lo:hi], self.recent_score[lo:hi]
+        if self.prev_width:
+            prev = slice(lo - r, lo)
+            self.prev_kv = self.recent_kv[prev, : self.prev_width] if n else None
+            self.prev_score = self.recent_score[prev, : self.prev_width] if n else None
+        self.recent_kv, self.recent_score = self.recent_kv[:hi], self.recent_score[:hi]
 
     def store(self, ratio: int) -> RowStore:
         if self.entries is None:
@@ -66,6 +102,7 @@ class LayerCache:
     window: torch.Tensor | None = None
     compressor: CompressorState = field(default_factory=CompressorState)
     indexer: CompressorState = field(default_factory=CompressorState)
+    backtrack: int = 0  # the window keeps B rows beyond the W - 1 it attends to (speculative rollback)
 
 
 @dataclass
@@ -74,14 +111,40 @@ class SequenceCache:
     seq_len: int = 0
 
     @classmethod
-    def empty(cls, num_layers: int, new_rows: RowFactory | None = None) -> SequenceCache:
+    def empty(cls, num_layers: int, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
+        """``backtrack`` B sizes the rings so that ``rollback`` can undo up to B tokens."""
         rows = new_rows or _standalone
         return cls(
             [
-                LayerCache(compressor=CompressorState(("comp", i), rows), indexer=CompressorState(("idx", i), rows))
+                LayerCache(
+                    compressor=CompressorState(("comp", i), rows, backtrack=backtrack),
+                    indexer=CompressorState(("idx", i), rows, backtrack=backtrack),
+                    backtrack=backtrack,
+                )
                 for i in range(num_layers)
             ]
         )
+
+    @property
+    def backtrack(self) -> int:
+        return self.layers[0].backtrack if self.layers else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` tokens (rejected drafts), at most B: the state becomes exactly that
+        of a cache that never ran them."""
+        if not num_tokens:
+            return
+        if num_tokens > self.backtrack:
+            raise RuntimeError(
+                f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {self.backtrack}"
+            )
+        old, new = self.seq_len, self.seq_len - num_tokens
+        for lc in self.layers:
+            if lc.window is not None:
+                lc.window = lc.window[: max(lc.window.shape[0] - num_tokens, 0)]
+        for _, state in self._states():
+            state.rollback(old, new)
+        self.seq_len = new
 
     def _states(self):
         for i, lc in enumerate(self.layers):
@@ -96,13 +159,23 @@ class SequenceCache:
         return CacheSnapshot(fixed, tails, lengths)
 
     @classmethod
-    def restore(cls, snap: CacheSnapshot, new_rows: RowFactory) -> SequenceCache:
-        cache = cls.empty(len(snap.fixed.layers), new_rows)
+    def restore(cls, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
+        cache = cls.empty(len(snap.fixed.layers), new_rows, backtrack)
         cache.seq_len = snap.fixed.seq_len
         for lc, old in zip(cache.layers, snap.fixed.layers):
             lc.window = old.window
         for key, state in cache._states():
             state.pending_kv, state.pending_score, state.prev_kv, state.prev_score = snap.tails[key]
+            state.recent_kv, state.recent_score = state.pending_kv, state.pending_score
+            if backtrack and state.prev_kv is not None:  # the ring also holds the previous window (A-halves)
+                state.prev_width = w = state.prev_kv.shape[1]
+                kv, score = (
+                    torch.nn.functional.pad(state.prev_kv, (0, w)),
+                    torch.nn.functional.pad(state.prev_score, (0, w)),
+                )
+                if state.pending_kv is not None:
+                    kv, score = torch.cat([kv, state.pending_kv]), torch.cat([score, state.pending_score])
+                state.recent_kv, state.recent_score = kv, score
             if key in snap.lengths:
                 ratio, n = snap.lengths[key]
                 state.store(ratio).resume(n)

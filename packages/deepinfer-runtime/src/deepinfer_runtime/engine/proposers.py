@@ -1,0 +1,93 @@
+"""Draft proposers behind ``deepinfer_spec.Proposer``: what the engine's speculative decoding can draft with.
+
+* ``DSparkProposer``: the V4.1 DSpark head (procedure D): steps 1-4 in the model (``dspark_hidden``: block rows
+  [anchor, noise...] over each stage's context rows), steps 5-6 in ``deepinfer_spec.markov_drafts`` with each
+  request's own sampler on the draft random stream. After a prefill it drafts D6 placeholders (as DeepInfer).
+* ``NgramProposer``: prompt lookup (vLLM's ``"ngram"`` method) for any model: the tokens that followed the last
+  earlier occurrence of the sequence's trailing n-gram. Deterministic drafts: one-hot draft distributions,
+  which keeps rejection sampling lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepinfer_spec import Drafts, ProposeBatch, SpeculativeConfig, markov_drafts
+
+
+class DSparkProposer:
+    """``ProposeBatch.context``: the requests' model caches (their DSpark context must end at the anchor)."""
+
+    placeholders_after_prefill = True  # decision D6
+    context_kind = "caches"
+
+    def __init__(self, model, config: SpeculativeConfig):
+        cfg = model.cfg
+        if not getattr(model, "mtp", None):
+            raise ValueError("speculative_config method 'dspark' needs a checkpoint with a DSpark head (mtp.* weights)")
+        if config.num_speculative_tokens != cfg.dspark_block_size:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens = {config.num_speculative_tokens} must equal the "
+                f"checkpoint's dspark_block_size = {cfg.dspark_block_size} (decisions C16)"
+            )
+        self.model, self.config = model, config
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        base, hidden = self.model.dspark_hidden(batch.anchors, batch.context)
+        last = self.model.mtp[-1]
+        return markov_drafts(
+            base,
+            hidden,
+            last.markov_head.embed.weight,
+            last.markov_head.head.weight,
+            last.confidence_head.proj.weight,
+            self.config.confidence_temperatures,
+            batch,
+        )
+
+
+class NgramProposer:
+    """``ProposeBatch.context``: each request's token ids so far (prompt + output, the anchor last)."""
+
+    placeholders_after_prefill = False
+    context_kind = "tokens"
+
+    def __init__(self, vocab_size: int, config: SpeculativeConfig):
+        self.vocab_size, self.config = vocab_size, config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """The drafts for one sequence: longest trailing n-gram first, latest earlier match wins."""
+        n_spec = self.num_speculative_tokens
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + n_spec]
+        return []
+
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        b, n = len(batch.context), self.num_speculative_tokens
+        dev = batch.anchors.device
+        tokens = torch.full((b, n), -1, dtype=torch.int64)
+        for i, seq in enumerate(batch.context):
+            found = self.lookup(seq)
+            tokens[i, : len(found)] = torch.tensor(found, dtype=torch.int64)
+        tokens = tokens.to(dev)
+        logprobs = torch.full((b, n, self.vocab_size), float("-inf"), device=dev)
+        logprobs.scatter_(2, tokens.clamp(min=0).unsqueeze(2), 0.0)  # one-hot (a -1 draft is never read)
+        return Drafts(tokens, logprobs, None)
+
+
+def build_proposer(model, config: SpeculativeConfig):
+    """The proposer ``config.method`` names, for this model."""
+    if config.method == "dspark":
+        return DSparkProposer(model, config)
+    if config.method == "ngram":
+        return NgramProposer(model.cfg.vocab_size, config)
+    raise ValueError(
+        f"speculative_config method {config.method!r} is not available for {type(model).__name__}: "
+        "DeepInfer serves 'dspark' (V4.1 checkpoints with a DSpark head) and 'ngram' (any model); V4-Flash's MTP "
+        "layer is not implemented yet"
+    )
