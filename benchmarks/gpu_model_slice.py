@@ -19,7 +19,9 @@ inside a batch of requests of other lengths (V4.1 slice, real shapes), compared 
 Weights today are bf16 (the model dequantises at load): the V4.1 slice's routed experts (384 x 2304 x 5120,
 27 GB per layer in bf16) are one tensor pair shared by its 8 layers (``--v41-experts``) so that it fits one
 GPU; a decode step still reads each hit expert from HBM. Floors are given for the format as run (bf16) and
-for the released format (FP8/MXFP8 dense, MXFP4 experts; the issue's targets).
+for the released format (FP8/MXFP8 dense, MXFP4 experts; the issue's targets). ``--quant fp8+fp4`` keeps the
+weights quantised in the model (``layers.quantize_weights_``: FP8 Linears through ``fp8_gemm_nt``, MXFP4 experts
+through the MXFP4 grouped GEMMs); transformers is then not run (it needs the bf16 tensors).
 
     python benchmarks/gpu_model_slice.py [--out results.json] [--deadline-s 420]
     python benchmarks/gpu_model_slice.py --tiny --device cpu      # seconds-long CPU smoke run, tiny dims
@@ -124,12 +126,15 @@ class Accounting:
         self.mm_params = [0] * n  # matmul weights per row (dense 2-D linears of the layer, gate included)
         self.other_run = self.other_rel = 0.0
         seen = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
+        stored = list(model.named_parameters(remove_duplicate=False))
+        # weights kept quantised (Linear.qweight / .scale) are buffers, already in the released format
+        stored += [(n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".scale"))]
+        for name, p in stored:
             if id(p) in seen or ".experts." in name:
                 continue
             seen.add(id(p))
             run = p.numel() * p.element_size()
-            r = role.get(name)
+            r = role.get(name) if isinstance(p, torch.nn.Parameter) else None
             relb = p.numel() * rel[r] if r in rel else run
             if name.startswith("layers."):
                 i = int(name.split(".")[1])
@@ -141,9 +146,12 @@ class Accounting:
                 self.other_run += run
                 self.other_rel += relb
         d, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        w13 = model.layers[0].ffn.experts.w13
+        ex = model.layers[0].ffn.experts
         self.expert_params = 3 * inter * d
-        self.expert_run = self.expert_params * w13.element_size()
+        if ex.quantized:  # MXFP4 packed codes + UE8M0 scales, per expert
+            self.expert_run = sum(t.numel() * t.element_size() for t in ex.buffers()) / cfg.n_routed_experts
+        else:
+            self.expert_run = self.expert_params * ex.w13.element_size()
         self.expert_rel = self.expert_params * (0.5 + 1 / 32)  # MXFP4: E2M1 + one UE8M0 per 32
         self.embed_row_run = d * model.embed.weight.element_size()
         self.embed_row_rel = d * 2
@@ -682,6 +690,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--v4-share", type=float, default=0.45, help="share of the deadline for the V4 section")
     p.add_argument("--engram-vocab", type=int, default=200_000)
     p.add_argument("--v41-experts", default="shared", choices=("shared", "distinct"))
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=("none", "fp8+fp4"),
+        help="keep weights quantised in the model (FP8/MXFP8 dense, MXFP4 experts) and use the GEMM ops",
+    )
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-invariance", action="store_true")
     p.add_argument(
@@ -725,22 +739,27 @@ def main(argv: list[str] | None = None) -> dict:
             if arch == "v4":
                 raw = ms.v4_slice_raw(**(tiny_dims("v4") if args.tiny else {}))
                 cfg = ms.v4_slice_config(**(tiny_dims("v4") if args.tiny else {}))
-                model = ms.build_random_model(cfg, dev, dtype, experts="distinct")
+                model = ms.build_random_model(cfg, dev, dtype, experts="distinct", quant=args.quant)
             else:
                 cfg = ms.v41_slice_config(
                     engram_vocab_size=100 if args.tiny else args.engram_vocab,
                     **(tiny_dims("v4.1") if args.tiny else {}),
                 )
-                model = ms.build_random_model(cfg, dev, dtype, experts=args.v41_experts, yoco_mode="compact")
+                model = ms.build_random_model(
+                    cfg, dev, dtype, experts=args.v41_experts, quant=args.quant, yoco_mode="compact"
+                )
             acct = Accounting(model, arch)
-            nbytes = sum(t.numel() * t.element_size() for t in {id(q): q for q in model.parameters()}.values())
+            held = {id(q): q for q in [*model.parameters(), *model.buffers()]}
+            nbytes = sum(t.numel() * t.element_size() for t in held.values())
             results.setdefault(label, {"prefill": [], "decode": [], "notes": []})["weights_GB"] = nbytes / 1e9
             log(
                 f"{label}: {cfg.num_hidden_layers} layers, {nbytes / 1e9:.1f} GB of weights on {dev}"
                 + (f", experts {args.v41_experts}" if arch == "v4.1" else "")
             )
             hf = None
-            if arch == "v4" and not args.no_hf:
+            if arch == "v4" and not args.no_hf and args.quant != "none":
+                results["v4_transformers_error"] = "not run: transformers needs the bf16 weights (run without --quant)"
+            elif arch == "v4" and not args.no_hf:
                 try:
                     import transformers
 

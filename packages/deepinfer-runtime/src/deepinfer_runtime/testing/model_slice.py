@@ -33,7 +33,7 @@ from deepinfer_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
-from deepinfer_runtime.models.layers import Experts
+from deepinfer_runtime.models.layers import Experts, quantize_weights_
 
 # The released DeepSeek-V4.1-Flash text config (config.json ``text_config``), without the DSpark head.
 RELEASED_V41_TEXT: dict[str, Any] = {
@@ -250,6 +250,7 @@ def build_random_model(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     experts: str = "distinct",
+    quant: str = "none",
     **model_kw: Any,
 ) -> nn.Module:
     """The model of ``cfg`` on ``device`` with random weights.
@@ -259,9 +260,15 @@ def build_random_model(
     ``experts="distinct"`` one random stack per layer, ``"shared"`` one stack used by every layer (the
     bytes a step reads from memory are the same; only the footprint shrinks). V4.1: the Engram tables are
     random FP8 rows with UE8M0 scales and the token map a random compression; V4: random hash tables.
+
+    ``quant="fp8+fp4"`` keeps the weights in the released formats inside the model (``quantize_weights_``):
+    each layer's experts become MXFP4 as soon as they are made (so a V4.1 slice with distinct experts fits),
+    the dense Linears FP8 with 32x32 (V4.1) or 128x128 (V4) UE8M0 scales.
     """
     if experts not in ("distinct", "shared"):
         raise ValueError(f"experts must be 'distinct' or 'shared', got {experts!r}")
+    if quant not in ("none", "fp8+fp4"):
+        raise ValueError(f"quant must be 'none' or 'fp8+fp4', got {quant!r}")
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     k = cfg.num_experts_per_tok
@@ -275,7 +282,7 @@ def build_random_model(
         if getattr(m, "cfg", None) is small:
             m.cfg = cfg
     e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    shared: tuple[nn.Parameter, nn.Parameter] | None = None
+    shared: Experts | None = None
     for moe in _moe_modules(model):
         gate = moe.gate
         gate.weight = nn.Parameter(torch.empty(e, d, dtype=dtype, device=device), requires_grad=False)
@@ -287,14 +294,20 @@ def build_random_model(
             pick = torch.randint(0, 64, (cfg.vocab_size,), generator=gen, device=device)
             gate.tid2eid = rows[pick]
         if experts == "shared" and shared is not None:
-            moe.experts.w13, moe.experts.w2 = shared
+            moe.experts = shared
             continue
         w13 = nn.Parameter(torch.empty(e, 2 * inter, d, dtype=dtype, device=device), requires_grad=False)
         w2 = nn.Parameter(torch.empty(e, d, inter, dtype=dtype, device=device), requires_grad=False)
+        with torch.no_grad():
+            _fill_random("experts.w13", w13.data, gen)
+            _fill_random("experts.w2", w2.data, gen)
         moe.experts.w13, moe.experts.w2 = w13, w2
+        if quant != "none":
+            moe.experts.quantize_mxfp4_()
         if experts == "shared":
-            shared = (w13, w2)
-    seen: set[int] = set()
+            shared = moe.experts
+    seen: set[int] = {id(m.experts.w13) for m in _moe_modules(model) if not m.experts.quantized}
+    seen |= {id(m.experts.w2) for m in _moe_modules(model) if not m.experts.quantized}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
@@ -312,6 +325,8 @@ def build_random_model(
         model.engram_token_map.copy_(
             torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=gen, device=device)
         )
+    if quant != "none":
+        quantize_weights_(model, 32 if is_v41 else 128, experts=True)
     return model.eval()
 
 
