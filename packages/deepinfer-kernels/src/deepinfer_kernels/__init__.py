@@ -29,7 +29,14 @@ from deepinfer_kernels.ops.mhc import (
     mhc_lagged_layer,
     mhc_same_site_sublayer,
 )
-from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_clamp, swiglu_mlp
+from deepinfer_kernels.ops.moe import (
+    Mxfp4Experts,
+    moe_experts,
+    moe_route_hash,
+    moe_route_topk,
+    swiglu_clamp,
+    swiglu_mlp,
+)
 from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
 from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
 from deepinfer_kernels.ops.quant import (
@@ -70,6 +77,7 @@ __all__ = [
     "mhc_lagged_layer",
     "mhc_same_site_sublayer",
     "moe_experts",
+    "Mxfp4Experts",
     "moe_route_hash",
     "moe_route_topk",
     "swiglu_clamp",

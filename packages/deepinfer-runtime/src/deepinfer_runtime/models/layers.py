@@ -1,10 +1,26 @@
 """Weight holders shared by the DeepSeek V4 and V4.1 models: parameters live under the checkpoint's
-names, and every matrix product goes through the row-invariant ``deepinfer_kernels.linear``."""
+names, and every matrix product goes through the row-invariant ``deepinfer_kernels.linear``.
+
+Quantised storage (``quantize_weights_``): a ``Linear`` can keep its weight as FP8 e4m3 with one UE8M0 scale
+per block x block tile (V4: 128x128, V4.1 MXFP8: 32x32) and then runs ``act_quant_fp8`` + ``fp8_gemm_nt``;
+``Experts`` can keep MXFP4 stacks (``Mxfp4Experts``), which ``moe_experts`` runs with the MXFP4 grouped-GEMM
+ops. Code that reads ``.weight`` / ``.w13`` directly keeps working (a Linear's ``.weight`` is then the
+dequantised matrix, made on each access)."""
 
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels import MhcConfig, MhcParams, linear, rms_norm
+from deepinfer_kernels import (
+    MhcConfig,
+    MhcParams,
+    Mxfp4Experts,
+    act_quant_fp8,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    fp8_gemm_nt,
+    linear,
+    rms_norm,
+)
 from torch import nn
 
 
@@ -13,14 +29,44 @@ def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype, row-invariant."""
+    """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype, row-invariant.
+
+    After ``quantize_fp8_(block)`` it holds ``qweight`` (FP8 e4m3) and ``scale`` (UE8M0 per block x block) and
+    computes y = fp8_gemm_nt(act_quant_fp8(x, block), W): activations quantised per 1 x block, fp32 accumulation.
+    """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
+        self.block: int | None = None
         self.weight = param(out_features, in_features, dtype=dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self._parameters.get("weight")
+        if w is not None:
+            return w
+        if self.block is None:
+            raise AttributeError("weight")
+        return fp8_block_dequantize(self.qweight, self.scale, (self.block, self.block), out_dtype=self.dtype)
+
+    def quantize_fp8_(self, block: int) -> None:
+        """Keep the weight as FP8 with one UE8M0 scale per block x block tile (K must be a multiple of block)."""
+        w = self._parameters["weight"]
+        if w.shape[1] % block:
+            raise ValueError(f"Linear.quantize_fp8_: in_features {w.shape[1]} is not a multiple of block {block}")
+        q, scale = fp8_block_quantize(w.data, (block, block), scale_fmt="ue8m0")
+        del self._parameters["weight"]
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.block, self.dtype = block, w.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        if self.block is None:
+            return linear(x, self.weight)
+        rows = x.reshape(-1, x.shape[-1])
+        a, a_scale = act_quant_fp8(rows, self.block)
+        y = fp8_gemm_nt(a, a_scale, self.qweight, self.scale, self.block, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class Norm(nn.Module):
@@ -38,12 +84,62 @@ def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I]."""
+    """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I].
+
+    After ``quantize_mxfp4_()`` they are ``Mxfp4Experts`` (buffers ``w13_packed`` / ``w13_scale`` / ``w2_*``),
+    which ``moe_experts`` runs with the MXFP4 grouped-GEMM ops."""
 
     def __init__(self, n_experts: int, inter: int, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.w13 = param(n_experts, 2 * inter, hidden, dtype=dtype)
         self.w2 = param(n_experts, hidden, inter, dtype=dtype)
+
+    def _weights(self, name: str):
+        w = self._parameters.get(name)
+        if w is not None:
+            return w
+        if f"{name}_packed" in self._buffers:
+            return Mxfp4Experts(self._buffers[f"{name}_packed"], self._buffers[f"{name}_scale"])
+        raise AttributeError(name)
+
+    w13 = property(lambda self: self._weights("w13"))
+    w2 = property(lambda self: self._weights("w2"))
+
+    @property
+    def quantized(self) -> bool:
+        return "w13_packed" in self._buffers
+
+    def quantize_mxfp4_(self) -> None:
+        """Keep both stacks as MXFP4 (E2M1 + one UE8M0 scale per 32 along K), one expert at a time."""
+        for name in ("w13", "w2"):
+            q = Mxfp4Experts.quantize(self._parameters[name].data)
+            del self._parameters[name]
+            self.register_buffer(f"{name}_packed", q.packed)
+            self.register_buffer(f"{name}_scale", q.scale)
+
+
+# Linears the models read through ``.weight`` (grouped / fp32 / fused-MLP products): quantising them would
+# only add a dequantisation per call, so ``quantize_weights_`` leaves them in the model dtype.
+READ_AS_WEIGHT = ("shared_experts.", ".wo_a", "compressor.", "head", "mtp.", "main_proj")
+
+
+def quantize_weights_(
+    model: nn.Module, dense_block: int | None, experts: bool, skip: tuple[str, ...] = READ_AS_WEIGHT
+) -> dict[str, int]:
+    """Quantise a model in place: every ``Linear`` whose name contains none of ``skip`` to FP8 with
+    ``dense_block`` x ``dense_block`` UE8M0 scales (None: leave dense weights), and with ``experts`` every
+    ``Experts`` to MXFP4. Returns counts {"linear": n, "experts": m}."""
+    done = {"linear": 0, "experts": 0}
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Experts) and experts and not m.quantized:
+            m.quantize_mxfp4_()
+            done["experts"] += 1
+        elif isinstance(m, Linear) and dense_block is not None and m.block is None:
+            if any(s in name for s in skip) or m.weight.shape[1] % dense_block:
+                continue
+            m.quantize_fp8_(dense_block)
+            done["linear"] += 1
+    return done
 
 
 class SharedExpert(nn.Module):

@@ -8,9 +8,11 @@ A DeepSeek V4 / V4.1 MoE layer is::
     out = moe_experts(x, ids, w, w13, w2, swiglu_limit=10.0) + swiglu_mlp(x, sw1, sw3, sw2, swiglu_limit=10.0)
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from deepinfer_kernels.registry import dispatch
+from deepinfer_kernels.registry import batch_invariant, dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
 from .reference import SCORING_FUNCS
@@ -131,6 +133,77 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> t
     return dispatch("swiglu_clamp", gate.device, gate, up, limit)
 
 
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """Stacked routed-expert weights kept in MXFP4 (the released V4 / V4.1 expert format): ``packed``
+    [E, N, K/2] int8/uint8 E2M1 codes (element 2k in the low nibble) and ``scale`` [E, N, K/32] UE8M0
+    (``mxfp4_quantize`` of each expert's [N, K] matrix). Pass it to ``moe_experts`` in place of w13 / w2."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kh = self.packed.shape
+        return (e, n, 2 * kh)
+
+    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[E, N, K] in ``out_dtype`` (exact in fp32 and bf16)."""
+        from deepinfer_kernels.ops.quant import mxfp4_dequantize
+
+        e, n, k = self.shape
+        return mxfp4_dequantize(self.packed.reshape(e * n, k // 2), self.scale.reshape(e * n, k // 32), out_dtype).view(
+            e, n, k
+        )
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Mxfp4Experts":
+        """From [E, N, K] weights (K a multiple of 32), one expert at a time."""
+        from deepinfer_kernels.ops.quant import mxfp4_quantize
+
+        e, n, k = w.shape
+        packed = torch.empty(e, n, k // 2, dtype=torch.int8, device=w.device)
+        scale = torch.empty(e, n, k // 32, dtype=torch.float8_e8m0fnu, device=w.device)
+        for i in range(e):
+            packed[i], scale[i] = mxfp4_quantize(w[i])
+        return cls(packed, scale)
+
+
+# at most this many (token, slot) rows use the gathered (decode) layout; more are sorted by expert
+GATHER_MAX_ROWS = 512
+
+
+def _moe_experts_mxfp4(x, experts, weights, w13: Mxfp4Experts, w2: Mxfp4Experts, swiglu_limit):
+    """Routed experts over MXFP4 weights with the grouped-GEMM ops: gate/up with the clamped SwiGLU and the
+    routing weight fused (fp32 out), down projection (fp32 out), then each token's k rows summed in slot order
+    (``moe_unpermute``). Few rows (decode) use the gathered layout, many (prefill) ``moe_permute``'s sorted
+    one; batch-invariant mode always takes the gathered layout, so a token's rows never depend on the batch."""
+    from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
+
+    t, k = experts.shape
+    if t == 0:
+        return x.new_zeros(x.shape)
+    flat_e = experts.reshape(-1).long()
+    flat_w = weights.reshape(-1).float()
+    f32 = torch.float32
+    if batch_invariant() or t * k <= GATHER_MAX_ROWS:
+        rows = torch.arange(t * k, device=x.device) // k
+        h = mxfp4_grouped_gemm_gather(
+            x, w13.packed, w13.scale, flat_e, row_index=rows, fuse_swiglu=True, swiglu_limit=swiglu_limit,
+            row_scale=flat_w, out_dtype=f32,
+        )  # fmt: skip
+        y = mxfp4_grouped_gemm_gather(h, w2.packed, w2.scale, flat_e, out_dtype=f32)
+        return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
+    xs, order, offsets = moe_permute(x, experts, w13.packed.shape[0])
+    h = mxfp4_grouped_gemm(
+        xs, w13.packed, w13.scale, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w[order],
+        out_dtype=f32,
+    )  # fmt: skip
+    y = mxfp4_grouped_gemm(h, w2.packed, w2.scale, offsets, out_dtype=f32)
+    return moe_unpermute(y, order, t, None, out_dtype=x.dtype)
+
+
 def moe_experts(
     x: torch.Tensor,
     experts: torch.Tensor,
@@ -147,16 +220,30 @@ def moe_experts(
         x: [T, d] any float dtype.
         experts: [T, k] integer expert ids in [0, E) (out of range -> ValueError).
         weights: [T, k] routing weights (fp32).
-        w13: [E, 2I, d]: rows 0..I-1 = gate (``w1``), rows I..2I-1 = up (``w3``).
-        w2: [E, d, I] down projection.
+        w13: [E, 2I, d]: rows 0..I-1 = gate (``w1``), rows I..2I-1 = up (``w3``); or ``Mxfp4Experts``.
+        w2: [E, d, I] down projection; or ``Mxfp4Experts`` (both or neither).
         swiglu_limit: the clamp (10.0 for V4 / V4.1) or None.
 
     Returns:
         [T, d] in x.dtype. Only experts that were hit are computed.
+
+    With ``Mxfp4Experts`` weights the MXFP4 grouped-GEMM ops run instead (``mxfp4_grouped_gemm[_gather]``,
+    ``moe_permute`` / ``moe_unpermute``): the same function of the dequantised weights, except that a token
+    sums its k expert outputs in slot order (not ascending expert id) and GPU backends round the down
+    projection's input to bf16, so results agree with the dequantised path to rounding, not bitwise.
     """
     if x.dim() != 2:
         raise ValueError(f"moe_experts: x must be [T, d], got {tuple(x.shape)}")
     t, d = x.shape
+    if isinstance(w13, Mxfp4Experts) or isinstance(w2, Mxfp4Experts):
+        if not (isinstance(w13, Mxfp4Experts) and isinstance(w2, Mxfp4Experts)):
+            raise ValueError("moe_experts: w13 and w2 must both be Mxfp4Experts or both tensors")
+        e, two_i, kd = w13.shape
+        if kd != d or two_i % 2 or w2.shape != (e, d, two_i // 2):
+            raise ValueError(f"moe_experts: MXFP4 w13 {w13.shape} / w2 {w2.shape} do not fit d = {d}")
+        if experts.dim() != 2 or experts.shape[0] != t or tuple(weights.shape) != tuple(experts.shape):
+            raise ValueError(f"moe_experts: experts / weights must be [{t}, k]")
+        return _moe_experts_mxfp4(x, experts, weights, w13, w2, swiglu_limit)
     if experts.dim() != 2 or experts.shape[0] != t or experts.is_floating_point():
         raise ValueError(f"moe_experts: experts must be integer [{t}, k], got {experts.dtype}{tuple(experts.shape)}")
     if tuple(weights.shape) != tuple(experts.shape):
@@ -193,6 +280,8 @@ def swiglu_mlp(
 
 __all__ = [
     "SCORING_FUNCS",
+    "GATHER_MAX_ROWS",
+    "Mxfp4Experts",
     "moe_experts",
     "moe_route_hash",
     "moe_route_topk",
