@@ -4,7 +4,7 @@ names, and every matrix product goes through the row-invariant ``deepinfer_kerne
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels import MhcConfig, MhcParams, linear, rms_norm
+from deepinfer_kernels import MhcConfig, MhcParams, linear, moe_experts, rms_norm
 from torch import nn
 
 
@@ -38,12 +38,21 @@ def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I]."""
+    """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I].
+
+    The MoE layers call the module (not ``moe_experts`` directly) so that expert parallelism can swap in a
+    module with the same call that holds only this rank's experts (``deepinfer_runtime.distributed``)."""
 
     def __init__(self, n_experts: int, inter: int, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.w13 = param(n_experts, 2 * inter, hidden, dtype=dtype)
         self.w2 = param(n_experts, hidden, inter, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *, swiglu_limit: float | None
+    ) -> torch.Tensor:
+        """x [T, d], experts [T, k] int64 logical ids, weights [T, k] fp32 -> [T, d] in x.dtype."""
+        return moe_experts(x, experts, weights, self.w13, self.w2, swiglu_limit=swiglu_limit)
 
 
 class SharedExpert(nn.Module):
