@@ -74,7 +74,12 @@ def rank_step(ctx: RankContext, new_requests: list[Request], cp_jobs: list[CPJob
     if cp_jobs:
         from deepinfer_runtime.distributed.cp_prefill import run_cp_phase
 
-        report.cp_prefilled = run_cp_phase(st, ctx.rank, cp_jobs)
+        taken, prefilled = run_cp_phase(st, ctx.rank, cp_jobs)
+        for req in taken:
+            if prefilled:
+                report.cp_prefilled.append(req.request_id)
+            if req.finished:
+                report.finished.append(RequestUpdate.of(req))
         if st.ep is not None:
             st.ep.reset()  # the CP phase made its own complete round of EP calls on every rank
     steps_before = engine.num_steps
