@@ -11,6 +11,7 @@ reaped every rank.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import deque
 from pathlib import Path
@@ -108,12 +109,31 @@ class ParallelEngine:
         self.group.shutdown()
 
 
+def _check_expert_split(path: Path, config: ParallelConfig) -> None:
+    """Refuse before spawning when the expert slots cannot split evenly over the EP ranks (the ranks check it
+    again when they shard; this only saves a start-up)."""
+    if config.expert_parallel_size == 1:
+        return
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the ranks' loader reports a broken checkpoint with its own error
+    experts = raw.get("text_config", raw).get("n_routed_experts")
+    if isinstance(experts, int) and (experts + config.num_redundant_experts) % config.expert_parallel_size:
+        raise ValueError(
+            f"expert parallel: {experts} routed experts + {config.num_redundant_experts} redundant slots do not "
+            f"split over {config.expert_parallel_size} ranks; choose num_redundant_experts so that the sum is a "
+            f"multiple of {config.expert_parallel_size}"
+        )
+
+
 def start_parallel(llm, path: Path, llm_kwargs: dict, config: ParallelConfig) -> None:
     """Spawn the ranks and give ``llm`` (a ``deepinfer_runtime.LLM`` being constructed) the attributes that
     ``generate`` / ``chat`` use, with a ``ParallelEngine`` as its engine. The driver loads no weights."""
     from deepinfer_runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(path)  # before spawning: a bad path fails here, without starting processes
+    _check_expert_split(path, config)
     group = WorkerGroup(
         config.world_size,
         backend=config.backend,

@@ -1,0 +1,146 @@
+"""Multi-process engine (issue 8) on the CPU with gloo: attention DP + expert parallel, CP long prefills, live
+EPLB and rank failure. Every equality is against the single-process engine on the same tiny checkpoint, greedy,
+token for token. Spawned ranks make these the slowest engine tests: tiny models, few tokens."""
+
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from deepinfer_parallel import ParallelError
+from deepinfer_runtime import LLM, SamplingParams
+from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+# short prompts (DP), and two prompts over the CP threshold of 50 tokens
+LENGTHS = [5, 17, 80, 1, 40, 64, 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+OPTS = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, log_stats=False)
+
+
+def _prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 129000, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@contextmanager
+def _one_thread():
+    # the reference runs while spawned ranks may still exit: oversubscribed OpenMP threads crawl on small hosts
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _single(path, prompts, **kw):
+    with _one_thread():
+        return _tokens(LLM(model=path, **OPTS, **kw).generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def v41_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("par") / "v41", "v4.1", "fp8+fp4", seed=4)
+
+
+def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
+    path = tiny_v4_dirs["mixed"]
+    prompts = _prompts()
+    ref = _single(path, prompts)
+    llm = LLM(
+        model=path,
+        data_parallel_size=2,
+        context_parallel_size=2,
+        context_parallel_min_tokens=50,
+        enable_eplb=True,
+        eplb_window_size=4,
+        eplb_step_interval=2,
+        num_redundant_experts=2,
+        **OPTS,
+    )
+    try:
+        outs = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        placements = llm.engine.placements()
+    finally:
+        llm.shutdown()
+    assert outs == ref
+    engine = llm.engine
+    assert engine.cp_prefills == 2  # the two long prompts took the CP path, the others plain DP
+    # EPLB rearranged live (requests in flight) and really moved experts
+    assert engine.eplb_rearrangements >= 2 and engine.eplb_moved_slots > 0
+    assert placements[0] == placements[1], "ranks disagree on the expert placement"
+    default = [e % 8 for e in range(10)]  # 8 experts + 2 redundant slots before any rearrangement
+    assert any(layer != default for layer in placements[0]), "no layer's placement changed"
+    for layer in placements[0]:
+        assert sorted(set(layer)) == list(range(8)), "every logical expert keeps a replica"
+
+
+@pytest.mark.parametrize("world, yoco", [(2, "compact"), (4, "mask")])
+def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
+    # keep 22 = window 16 + 6: the 80- and 64-token prompts truncate (floor > 0) in their CP prefill
+    kw = dict(yoco_mode=yoco, yoco_keep_tokens=22)
+    prompts = _prompts(seed=world)
+    ref = _single(v41_dir, prompts, **kw)
+    llm = LLM(
+        model=v41_dir, data_parallel_size=world, context_parallel_size=2, context_parallel_min_tokens=50, **OPTS, **kw
+    )
+    try:
+        outs = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert outs == ref
+    assert llm.engine.cp_prefills == 2
+
+
+def test_killed_rank_ends_the_engine_with_a_clear_error(tiny_v4_dirs):
+    llm = LLM(model=tiny_v4_dirs["mixed"], data_parallel_size=2, **OPTS)
+    engine = llm.engine
+    pids = engine.group.pids
+
+    def kill_after_first_steps():
+        deadline = time.monotonic() + 60
+        while engine.num_steps < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_first_steps, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(ParallelError, match=r"rank 1 died with exit code -9 \(SIGKILL\)"):
+        llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 60
+    killer.join()
+    assert engine.group.closed
+    for pid in pids:  # reaped, not orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ParallelError):  # the engine stays down
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(data_parallel_size=2, expert_parallel_size=3), "expert_parallel_size must be 1 or equal"),
+        (dict(data_parallel_size=2, context_parallel_size=4), "context_parallel_size .4. must divide"),
+        (dict(data_parallel_size=2, expert_parallel_size=1, enable_eplb=True), "enable_eplb needs expert"),
+        (dict(data_parallel_size=0), "data_parallel_size must be a positive int"),
+        (dict(data_parallel_size=2, eplb_step_interval=5), "enable_eplb is False"),
+        (dict(data_parallel_size=2, context_parallel_size=2, context_parallel_min_tokens=1), ">= 2"),
+    ],
+)
+def test_bad_parallel_arguments_are_refused_before_spawning(kw, message, tiny_v4_dirs):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_v4_dirs["mixed"], **OPTS, **kw)
+
+
+def test_redundant_slots_must_split_over_ranks(tiny_v4_dirs):
+    with pytest.raises(ValueError, match="do not split over 2 ranks"):
+        LLM(model=tiny_v4_dirs["mixed"], data_parallel_size=2, num_redundant_experts=1, **OPTS)
