@@ -8,9 +8,10 @@ scheduler as a request with L-1 computed tokens, the way a prefix-cache hit star
 prompt token (with YOCO's prompt length L, as single-process chunked prefill would have it), which samples the
 first output token. Chunked prefill is bitwise chunking-invariant, so outputs equal the single-process engine's.
 
-Ranks of CP groups without a job this step join the EP collectives with one empty pass (a CP forward makes one
-call per MoE layer on each participating rank). If the owner cannot take the blocks now, the whole group skips
-the job (one broadcast decides) and the owner queues the request for ordinary prefill.
+Ranks of CP groups without a job this step join the collectives with one empty pass (a CP forward calls every
+collective site, EP MoE and sharded Engram, once on each participating rank). If the owner cannot take the
+blocks now, the whole group skips the job (one broadcast decides) and the owner queues the request for ordinary
+prefill.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     config = st.config
     mine = [j for j in jobs if config.cp_group_of(j.owner) == config.cp_group_of(rank)]
     if not mine:
-        if st.ep is not None:
-            st.ep.dummy_pass()
+        st.sites.dummy_pass()
         return [], False
     job = mine[0]
     req, llm = job.request, st.llm
@@ -43,8 +43,7 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     ok = ok.to(device)
     dist.broadcast(ok, src=job.owner, group=st.cp_group)
     if not int(ok):
-        if st.ep is not None:
-            st.ep.dummy_pass()
+        st.sites.dummy_pass()
         if is_owner:
             engine.add_request(req)
         return ([req] if is_owner else []), False

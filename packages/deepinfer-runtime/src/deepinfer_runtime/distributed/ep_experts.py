@@ -6,9 +6,9 @@ holds only this rank's physical slots (``ExpertPlacement.local_logical(rank)``) 
 expert and everything else stay replicated, so the MoE call site does not change (``Experts.forward`` has the same
 signature). Exact combine + row-invariant experts make the result bitwise equal to the single-process layer.
 
-Every EP call is a collective over all ranks, so every rank must make the same sequence of calls each engine
-step: ``ExpertParallel.calls`` counts them and ``dummy_pass`` makes them with zero tokens for a rank that had
-nothing to run. The DSpark draft stages keep their (small) expert stacks replicated.
+Every EP call is a collective over all ranks, so each layer is a collective site (``sites.CollectiveSites``:
+counted, and called with zero tokens by a rank that had nothing to run). The DSpark draft stages keep their
+(small) expert stacks replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepinfer_parallel import ExpertPlacement, LoadRecorder, default_placement, ep_moe, swiglu_expert_fn
 from torch import nn
 
+from deepinfer_runtime.distributed.sites import CollectiveSites
 from deepinfer_runtime.models.layers import Experts
 
 
@@ -43,7 +44,7 @@ class EPExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, d], experts [T, k] int64 logical ids, weights [T, k] fp32 -> [T, d] in x.dtype (collective)."""
         owner = self._owner[0]
-        owner.calls += 1
+        owner.sites.calls += 1
         if owner.recorder is not None:
             owner.recorder.record(self.index, experts)
         fn = swiglu_expert_fn(self.w13, self.w2, swiglu_limit=swiglu_limit)
@@ -62,51 +63,35 @@ class EPExperts(nn.Module):
 
 
 class ExpertParallel:
-    """The EP layers of one model on one rank, in call order, and the per-step call count.
+    """The EP layers of one model on one rank.
 
     Attributes:
         layers: the ``EPExperts`` of the backbone MoE layers, layer order.
+        sites: the rank's collective-site tracker (counts EP calls).
         group: the EP process group (None = the default group, all ranks).
         recorder: the EPLB ``LoadRecorder`` (None when EPLB is off).
-        calls: EP layer calls since ``reset``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, sites: CollectiveSites, group: dist.ProcessGroup | None = None):
         self.layers: list[EPExperts] = []
-        self.group = group
+        self.sites, self.group = sites, group
         self.recorder: LoadRecorder | None = None
-        self.calls = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
-
-    def reset(self) -> None:
-        self.calls = 0
-
-    def dummy_pass(self) -> None:
-        """One empty call per EP layer, in model order: what a model forward would have done."""
-        for layer in self.layers:
-            layer.empty_call()
-
-    def finish_step(self) -> None:
-        """Make this rank's EP calls of the step complete: a dummy pass when it ran no forward. Any other count
-        means the ranks disagree on the number of MoE calls, which would deadlock them: raise instead."""
-        if self.calls == 0:
-            self.dummy_pass()
-        elif self.calls != self.num_layers:
-            raise RuntimeError(
-                f"expert parallel: {self.calls} MoE calls in one engine step, expected {self.num_layers} (one "
-                "forward); the ranks would disagree on their collectives"
-            )
-        self.reset()
 
     def placements(self) -> list[ExpertPlacement]:
         return [layer.placement for layer in self.layers]
 
 
 def install_expert_parallel(
-    model: nn.Module, rank: int, world: int, num_redundant: int = 0, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    rank: int,
+    world: int,
+    sites: CollectiveSites,
+    num_redundant: int = 0,
+    group: dist.ProcessGroup | None = None,
 ) -> ExpertParallel:
     """Replace the routed experts of every backbone MoE layer of ``model`` (``model.layers[i].ffn.experts``) by
     this rank's share under ``default_placement(E, world, num_redundant)``; frees the other experts.
@@ -114,7 +99,7 @@ def install_expert_parallel(
     Raises:
         ValueError: when E + num_redundant is not a multiple of ``world`` (slots must split evenly).
     """
-    ep = ExpertParallel(group)
+    ep = ExpertParallel(sites, group)
     for index, block in enumerate(model.layers):
         full = block.ffn.experts
         num_experts = full.w13.shape[0]

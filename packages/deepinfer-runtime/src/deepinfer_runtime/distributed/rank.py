@@ -17,9 +17,11 @@ import torch.distributed as dist
 from deepinfer_parallel import RankContext
 
 from deepinfer_runtime.distributed.config import ParallelConfig
+from deepinfer_runtime.distributed.engram_shard import install_engram_sharding
 from deepinfer_runtime.distributed.ep_experts import ExpertParallel, install_expert_parallel
 from deepinfer_runtime.distributed.eplb_live import LiveEplb
 from deepinfer_runtime.distributed.messages import CPJob, ModelView, RankInfo, RequestUpdate, StepReport
+from deepinfer_runtime.distributed.sites import CollectiveSites
 from deepinfer_runtime.engine.request import Request
 
 
@@ -29,6 +31,7 @@ class RankState:
 
     llm: object  # deepinfer_runtime.llm.LLM, single process
     config: ParallelConfig
+    sites: CollectiveSites  # the model's collective layers (EP MoE, sharded Engram), forward order
     ep: ExpertParallel | None
     eplb: LiveEplb | None
     cp_group: dist.ProcessGroup | None  # this rank's CP group (None: CP off)
@@ -44,18 +47,25 @@ def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> Ran
     if ctx.rank:
         kwargs["log_stats"] = False
     llm = LLM(**kwargs)
+    sites = CollectiveSites()
     ep = eplb = None
     if config.expert_parallel_size > 1:
-        ep = install_expert_parallel(llm.model, ctx.rank, ctx.world_size, config.num_redundant_experts)
+        ep = install_expert_parallel(llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts)
         if config.eplb is not None:
             eplb = LiveEplb(ep, config.eplb, ctx.world_size)
+    engram = install_engram_sharding(llm.model, ctx.rank, ctx.world_size, sites)
+    for index in range(len(llm.model.layers)):  # forward order: a block's Engram lookup, then its MoE
+        if index in engram:
+            sites.sites.append(engram[index])
+        if ep is not None:
+            sites.sites.append(ep.layers[index])
     cp_group = None
     if config.context_parallel_size > 1:
         for g in range(config.num_cp_groups):  # new_group is collective: every rank creates every group
             group = dist.new_group(config.cp_ranks(g))
             if config.cp_group_of(ctx.rank) == g:
                 cp_group = group
-    ctx.state["engine"] = RankState(llm, config, ep, eplb, cp_group)
+    ctx.state["engine"] = RankState(llm, config, sites, ep, eplb, cp_group)
     model = llm.model
     view = ModelView(model.cfg, getattr(model, "yoco_mode", "off"), model.dtype)
     return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0)
@@ -80,14 +90,12 @@ def rank_step(ctx: RankContext, new_requests: list[Request], cp_jobs: list[CPJob
                 report.cp_prefilled.append(req.request_id)
             if req.finished:
                 report.finished.append(RequestUpdate.of(req))
-        if st.ep is not None:
-            st.ep.reset()  # the CP phase made its own complete round of EP calls on every rank
+        st.sites.reset()  # the CP phase made its own complete round of collective calls on every rank
     steps_before = engine.num_steps
     if engine.has_unfinished:
         report.finished += [RequestUpdate.of(r) for r in engine.step()]
     report.ran_forward = engine.num_steps > steps_before
-    if st.ep is not None:
-        st.ep.finish_step()
+    st.sites.finish_step()
     if st.eplb is not None:
         st.eplb.end_step()
         report.eplb_rearrangements = st.eplb.stats.rearrangements
