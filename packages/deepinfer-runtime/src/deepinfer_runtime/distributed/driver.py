@@ -11,6 +11,7 @@ reaped every rank.
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 from collections import deque
@@ -145,6 +146,7 @@ def start_parallel(llm, path: Path, llm_kwargs: dict, config: ParallelConfig) ->
     except BaseException:
         group.shutdown()
         raise
+    atexit.register(group.shutdown)  # a script that never calls LLM.shutdown still stops its ranks in order
     info: RankInfo = infos[0]
     llm.model_path, llm.tokenizer, llm.model = path, tokenizer, info.model
     llm.max_model_len, llm.budget, llm.eos = info.max_model_len, info.budget, info.eos
