@@ -20,9 +20,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 OPTS = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64, log_stats=False)
 
 
-def _prompts(seed=0):
+def _prompts(seed=0, lengths=LENGTHS):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 129000, (n,), generator=g).tolist() for n in LENGTHS]
+    return [torch.randint(3, 129000, (n,), generator=g).tolist() for n in lengths]
 
 
 @contextmanager
@@ -37,12 +37,12 @@ def _one_thread():
 
 
 def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
+    return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def _single(path, prompts, **kw):
+def _single(path, prompts, params=GREEDY, **kw):
     with _one_thread():
-        return _tokens(LLM(model=path, **OPTS, **kw).generate(prompts, GREEDY, use_tqdm=False))
+        return _tokens(LLM(model=path, **OPTS, **kw).generate(prompts, params, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,10 @@ def v41_dir(tmp_path_factory):
 def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
     path = tiny_v4_dirs["mixed"]
     prompts = _prompts()
-    ref = _single(path, prompts)
+    # greedy, plus seeded sampling (n = 2): the sampler is seeded per request, so no rank placement may matter
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, n=2)
+    params = [GREEDY if i % 2 else sampled for i in range(len(prompts))]
+    ref = _single(path, prompts, params)
     llm = LLM(
         model=path,
         data_parallel_size=2,
@@ -66,13 +69,13 @@ def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
         **OPTS,
     )
     try:
-        outs = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        outs = _tokens(llm.generate(prompts, params, use_tqdm=False))
         placements = llm.engine.placements()
     finally:
         llm.shutdown()
     assert outs == ref
     engine = llm.engine
-    assert engine.cp_prefills == 2  # the two long prompts took the CP path, the others plain DP
+    assert engine.cp_prefills == 3  # the 80-token prompt (n = 2: two requests) and the 64-token one; rest DP
     # EPLB rearranged live (requests in flight) and really moved experts
     assert engine.eplb_rearrangements >= 2 and engine.eplb_moved_slots > 0
     assert placements[0] == placements[1], "ranks disagree on the expert placement"
@@ -86,7 +89,9 @@ def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
 def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
     # keep 22 = window 16 + 6: the 80- and 64-token prompts truncate (floor > 0) in their CP prefill
     kw = dict(yoco_mode=yoco, yoco_keep_tokens=22)
-    prompts = _prompts(seed=world)
+    # world 4: three long prompts, so one step has a CP job in one CP group only (the other group joins the
+    # collectives, EP and sharded Engram, with an empty pass)
+    prompts = _prompts(seed=world, lengths=LENGTHS + [70] * (world // 4))
     ref = _single(v41_dir, prompts, **kw)
     llm = LLM(
         model=v41_dir, data_parallel_size=world, context_parallel_size=2, context_parallel_min_tokens=50, **OPTS, **kw
@@ -96,7 +101,7 @@ def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
     finally:
         llm.shutdown()
     assert outs == ref
-    assert llm.engine.cp_prefills == 2
+    assert llm.engine.cp_prefills == 2 + world // 4
 
 
 def test_killed_rank_ends_the_engine_with_a_clear_error(tiny_v4_dirs):
@@ -144,3 +149,24 @@ def test_bad_parallel_arguments_are_refused_before_spawning(kw, message, tiny_v4
 def test_redundant_slots_must_split_over_ranks(tiny_v4_dirs):
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         LLM(model=tiny_v4_dirs["mixed"], data_parallel_size=2, num_redundant_experts=1, **OPTS)
+
+
+def test_idle_rank_runs_its_experts_with_the_layer_clamp(tiny_v4_dirs):
+    # a rank with nothing to run still computes the tokens other ranks route to its experts: with expert weights
+    # scaled so that the SwiGLU clamp (swiglu_limit 10) bites, that work must use the layer's clamp
+    from deepinfer_parallel import WorkerGroup
+    from deepinfer_runtime.model_loader import load_model
+    from deepinfer_runtime.testing.parallel_workers import ep_forward_one_busy_rank, scale_routed_experts
+
+    path, factor = tiny_v4_dirs["mixed"], 300.0
+    prompt = _prompts(seed=5, lengths=[12])[0]
+    with _one_thread():
+        model = load_model(path, dtype=torch.float32, device="cpu", progress=False)
+        scale_routed_experts(model, factor)
+        ref = model.forward_logits(torch.tensor([prompt]))[0]
+        for block in model.layers:
+            block.ffn.limit = None
+        assert not torch.equal(model.forward_logits(torch.tensor([prompt]))[0], ref), "the clamp does not bite"
+    with WorkerGroup(2, backend="gloo", call_timeout_s=120) as group:
+        outs = group.call(ep_forward_one_busy_rank, str(path), prompt, factor, 0)
+    assert outs[1] is None and torch.equal(outs[0], ref)

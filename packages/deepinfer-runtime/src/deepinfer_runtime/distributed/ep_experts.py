@@ -31,8 +31,18 @@ class EPExperts(nn.Module):
         index: position of the layer among the EP layers (the load recorder's layer id).
     """
 
-    def __init__(self, full: Experts, placement: ExpertPlacement, rank: int, index: int, owner: ExpertParallel):
+    def __init__(
+        self,
+        full: Experts,
+        placement: ExpertPlacement,
+        rank: int,
+        index: int,
+        owner: ExpertParallel,
+        swiglu_limit: float | None,
+    ):
         super().__init__()
+        # an empty call still runs this rank's experts on the tokens other ranks send it: it needs the layer's clamp
+        self.swiglu_limit = swiglu_limit
         local = placement.local_logical(rank).to(full.w13.device)
         self.register_buffer("w13", full.w13.data[local].clone(), persistent=False)
         self.register_buffer("w2", full.w2.data[local].clone(), persistent=False)
@@ -43,6 +53,8 @@ class EPExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *, swiglu_limit: float | None
     ) -> torch.Tensor:
         """x [T, d], experts [T, k] int64 logical ids, weights [T, k] fp32 -> [T, d] in x.dtype (collective)."""
+        if swiglu_limit != self.swiglu_limit:
+            raise ValueError(f"EPExperts: called with swiglu_limit={swiglu_limit}, the layer has {self.swiglu_limit}")
         owner = self._owner[0]
         owner.sites.calls += 1
         if owner.recorder is not None:
@@ -55,7 +67,7 @@ class EPExperts(nn.Module):
         d = self.w13.shape[-1]
         x = torch.zeros(0, d, dtype=self.w13.dtype, device=self.w13.device)
         ids = torch.zeros(0, 1, dtype=torch.long, device=self.w13.device)
-        self.forward(x, ids, torch.zeros(0, 1, device=self.w13.device), swiglu_limit=None)
+        self.forward(x, ids, torch.zeros(0, 1, device=self.w13.device), swiglu_limit=self.swiglu_limit)
 
     def swap(self, w13: torch.Tensor, w2: torch.Tensor, placement: ExpertPlacement) -> None:
         """Install weights and placement of a rearrangement (between two steps)."""
@@ -109,7 +121,7 @@ def install_expert_parallel(
                 f"over {world} ranks; choose num_redundant_experts so that the sum is a multiple of {world}"
             )
         placement = default_placement(num_experts, world, num_redundant)
-        layer = EPExperts(full, placement, rank, index, ep)
+        layer = EPExperts(full, placement, rank, index, ep, block.ffn.limit)
         block.ffn.experts = layer
         ep.layers.append(layer)
     return ep
