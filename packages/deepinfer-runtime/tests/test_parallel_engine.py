@@ -170,3 +170,21 @@ def test_idle_rank_runs_its_experts_with_the_layer_clamp(tiny_v4_dirs):
     with WorkerGroup(2, backend="gloo", call_timeout_s=120) as group:
         outs = group.call(ep_forward_one_busy_rank, str(path), prompt, factor, 0)
     assert outs[1] is None and torch.equal(outs[0], ref)
+
+
+def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dirs):
+    # 10 KV blocks of 16 tokens per rank. Step 1: the short prompt goes to rank 0, the first long one is CP-prefilled
+    # for rank 1 (9 blocks). Step 2 (one CP job per group per step): the second long one's owner is rank 0, whose
+    # short request holds 7 blocks: it cannot take 9, so the group skips and rank 0 prefills it the ordinary way.
+    path = tiny_v4_dirs["mixed"]
+    kw = dict(kv_cache_memory=8 * 21_760 + 160 * 136)  # 4 request slots + 4 snapshots fixed, 160 growing tokens
+    prompts = _prompts(seed=7, lengths=[100, 130, 130])
+    ref = _single(path, prompts, **kw)
+    llm = LLM(model=path, data_parallel_size=2, context_parallel_size=2, context_parallel_min_tokens=120, **OPTS, **kw)
+    try:
+        assert llm.budget.num_tokens == 160
+        outs = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert outs == ref
+    assert (llm.engine.cp_prefills, llm.engine.cp_fallbacks) == (1, 1)

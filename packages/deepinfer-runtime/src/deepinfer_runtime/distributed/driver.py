@@ -32,6 +32,7 @@ class ParallelEngine:
         num_steps: lockstep iterations so far.
         eplb_rearrangements / eplb_moved_slots: EPLB totals reported by the ranks.
         cp_prefills: requests prefilled with context parallelism.
+        cp_fallbacks: CP requests whose owner had no free KV blocks; they were prefilled the ordinary way.
     """
 
     def __init__(self, group: WorkerGroup, config: ParallelConfig, info: RankInfo):
@@ -44,6 +45,7 @@ class ParallelEngine:
         self.eplb_rearrangements = 0
         self.eplb_moved_slots = 0
         self.cp_prefills = 0
+        self.cp_fallbacks = 0
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self._live:
@@ -93,6 +95,7 @@ class ParallelEngine:
         finished = []
         for report in reports:
             self.cp_prefills += len(report.cp_prefilled)
+            self.cp_fallbacks += report.cp_fallbacks
             for update in report.finished:
                 req = self._live.pop(update.request_id)
                 update.apply(req)

@@ -87,11 +87,13 @@ class StepReport:
         finished: requests that finished on this rank during the step.
         ran_forward: whether the rank ran a model forward (False: an empty step, EP joined with zero tokens).
         cp_prefilled: request ids this rank prefilled with CP as the owner.
+        cp_fallbacks: CP jobs this rank owned but queued for ordinary prefill (no free KV blocks then).
         eplb_rearrangements / eplb_moved_slots: EPLB totals so far (0 when EPLB is off).
     """
 
     finished: list[RequestUpdate] = field(default_factory=list)
     ran_forward: bool = False
     cp_prefilled: list[str] = field(default_factory=list)
+    cp_fallbacks: int = 0
     eplb_rearrangements: int = 0
     eplb_moved_slots: int = 0

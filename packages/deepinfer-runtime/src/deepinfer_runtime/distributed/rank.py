@@ -88,6 +88,8 @@ def rank_step(ctx: RankContext, new_requests: list[Request], cp_jobs: list[CPJob
         for req in taken:
             if prefilled:
                 report.cp_prefilled.append(req.request_id)
+            else:
+                report.cp_fallbacks += 1
             if req.finished:
                 report.finished.append(RequestUpdate.of(req))
         st.sites.reset()  # the CP phase made its own complete round of collective calls on every rank
