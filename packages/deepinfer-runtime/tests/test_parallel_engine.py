@@ -91,7 +91,7 @@ def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
     kw = dict(yoco_mode=yoco, yoco_keep_tokens=22)
     # world 4: three long prompts, so one step has a CP job in one CP group only (the other group joins the
     # collectives, EP and sharded Engram, with an empty pass)
-    prompts = _prompts(seed=world, lengths=LENGTHS + [70] * (world // 4))
+    prompts = _prompts(seed=world, lengths=[5, 80, 1, 64, 17] + [70] * (world // 4))
     ref = _single(v41_dir, prompts, **kw)
     llm = LLM(
         model=v41_dir, data_parallel_size=world, context_parallel_size=2, context_parallel_min_tokens=50, **OPTS, **kw
