@@ -117,12 +117,17 @@ def rows_gather(ctx, world: int, num_rows: int, width: int, num_ids: list[int]):
     if not member:
         return None
     g = torch.Generator().manual_seed(num_rows)
-    table = torch.randint(0, 256, (num_rows, width), dtype=torch.uint8, generator=g)  # FP8-like bytes
-    scales = torch.randn(num_rows, 2, generator=g)
+    # the Engram table's stored formats: FP8 E4M3 rows, UE8M0 scales (index_put has no kernel for the latter)
+    table = torch.randint(0, 256, (num_rows, width), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scales = torch.randint(0, 255, (num_rows, 8), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
     ids = torch.randint(0, num_rows, (num_ids[rank],), generator=torch.Generator().manual_seed(rank))
     got = gather_rows(shard_rows(table, world, rank), ids, num_rows, group)
     got_scales = gather_rows(shard_rows(scales, world, rank), ids, num_rows, group)
-    return torch.equal(got, table[ids]), torch.equal(got_scales, scales[ids]), ids.numel()
+    same = [
+        g.dtype == t.dtype and torch.equal(g.view(torch.uint8), t[ids].view(torch.uint8))
+        for g, t in ((got, table), (got_scales, scales))
+    ]
+    return same[0], same[1], ids.numel()
 
 
 def vocab_layers(ctx, world: int, vocab: int, d: int, tokens_per_rank: list[int]):

@@ -38,3 +38,15 @@ def test_balancer_tracks_finish():
     assert b.add("d", 5) == 0 and b.rank_of("d") == 0
     with pytest.raises(ValueError):
         b.add("d", 1)
+
+
+def test_balancer_restricted_to_allowed_ranks():
+    b = DPBalancer(4)
+    b.add("a", 100)  # rank 0
+    assert b.add("b", 10, allowed=[2, 3]) == 2  # least loaded among the allowed, not rank 1
+    assert b.add("c", 10, allowed=[3, 2]) == 3
+    assert b.inflight == [100, 0, 10, 10]
+    with pytest.raises(ValueError):
+        b.add("d", 1, allowed=[])
+    with pytest.raises(ValueError):
+        b.add("e", 1, allowed=[4])

@@ -47,11 +47,17 @@ class DPBalancer:
         if not self.inflight:
             self.inflight = [0] * self.num_ranks
 
-    def add(self, request_id: str, tokens: int) -> int:
-        """Place a request; returns its rank."""
+    def add(self, request_id: str, tokens: int, allowed: Sequence[int] | None = None) -> int:
+        """Place a request on the least-loaded rank (of ``allowed`` ranks, default all); returns its rank."""
         if request_id in self._where:
             raise ValueError(f"DPBalancer: request {request_id!r} is already placed")
-        rank = assign_requests([tokens], self.inflight)[0]
+        if allowed is None:
+            rank = assign_requests([tokens], self.inflight)[0]
+        else:
+            allowed = sorted(allowed)
+            if not allowed or not all(0 <= r < self.num_ranks for r in allowed):
+                raise ValueError(f"DPBalancer: allowed ranks {allowed} not a non-empty subset of [0, {self.num_ranks})")
+            rank = allowed[assign_requests([tokens], [self.inflight[r] for r in allowed])[0]]
         self.inflight[rank] += tokens
         self._where[request_id] = (rank, tokens)
         return rank

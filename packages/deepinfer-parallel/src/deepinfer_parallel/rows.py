@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._comm import all_to_all_rows, exchange_counts
+from ._comm import _from_wire, _to_wire, all_to_all_rows, exchange_counts
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ def gather_rows(
     asked = all_to_all_rows(rows[order].to(dev)[:, None], send_counts, recv_counts, group)[:, 0]
     answer = local[(asked - sh.start(rank)).to(local.device)].to(dev)
     got = all_to_all_rows(answer, recv_counts, send_counts, group)
-    out = torch.empty_like(got)
-    out[order.to(dev)] = got
-    return out
+    # unpermute as raw bytes: index_put has no kernel for some dtypes (float8_e8m0fnu scales)
+    wire, _ = _to_wire(got)
+    out = torch.empty_like(wire)
+    out[order.to(dev)] = wire
+    return _from_wire(out, got, got.shape[0])

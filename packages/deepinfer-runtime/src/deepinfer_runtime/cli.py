@@ -41,6 +41,15 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\'',
     )
+    par = ap.add_argument_group("parallelism (one process per rank; see deepinfer_runtime/distributed/README.md)")
+    par.add_argument("--data-parallel-size", type=int, default=1)
+    par.add_argument("--expert-parallel-size", type=int, default=None, help="1 or the DP size (default)")
+    par.add_argument("--context-parallel-size", type=int, default=1)
+    par.add_argument("--context-parallel-min-tokens", type=int, default=None)
+    par.add_argument("--enable-eplb", action="store_true")
+    par.add_argument("--eplb-window-size", type=int, default=None)
+    par.add_argument("--eplb-step-interval", type=int, default=None)
+    par.add_argument("--num-redundant-experts", type=int, default=None)
 
 
 def _json_dict(text: str) -> dict:
@@ -79,6 +88,14 @@ def _llm(args: argparse.Namespace):
         async_scheduling=args.async_scheduling,
         block_size=args.block_size,
         speculative_config=args.speculative_config,
+        data_parallel_size=args.data_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        context_parallel_min_tokens=args.context_parallel_min_tokens,
+        enable_eplb=args.enable_eplb,
+        eplb_window_size=args.eplb_window_size,
+        eplb_step_interval=args.eplb_step_interval,
+        num_redundant_experts=args.num_redundant_experts,
     )
 
 

@@ -82,6 +82,15 @@ class LLM:
             any model); keys ``verification`` ("rejection" | "block"), ``varlen``, ``verify_budget``,
             ``confidence_temperature`` (see ``deepinfer_spec.SpeculativeConfig``). None: DeepInfer's
             ``DEEPINFER_USE_NEXTN_DECODE`` (off when unset or 0). Runs synchronously (async scheduling off).
+        data_parallel_size / expert_parallel_size / context_parallel_size: > 1 spawns one process per rank
+            (gloo on the CPU, NCCL with one GPU per rank; this process only drives them): attention data
+            parallel over ``data_parallel_size`` ranks, their MoE layers expert parallel (EP = DP, the default,
+            or 1), long prefills split over CP groups of ``context_parallel_size`` ranks. See
+            ``deepinfer_runtime.distributed``. Greedy outputs equal the single-process engine's.
+        context_parallel_min_tokens: prompts at least this long are prefilled with CP (default 2048).
+        enable_eplb / eplb_window_size / eplb_step_interval / num_redundant_experts: expert-parallel load
+            balancing (live rearrangement every ``eplb_step_interval`` steps from the loads of the last
+            ``eplb_window_size``; None: ``DEEPINFER_EPLB_*``, else 1000 / 3000 / 0 redundant slots per layer).
     """
 
     def __init__(
@@ -104,6 +113,14 @@ class LLM:
         log_stats: bool = True,
         async_scheduling: bool | None = None,
         speculative_config: dict | None = None,
+        data_parallel_size: int = 1,
+        expert_parallel_size: int | None = None,
+        context_parallel_size: int = 1,
+        context_parallel_min_tokens: int | None = None,
+        enable_eplb: bool = False,
+        eplb_window_size: int | None = None,
+        eplb_step_interval: int | None = None,
+        num_redundant_experts: int | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -125,6 +142,46 @@ class LLM:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         path = Path(model) if model is not None else default_model_dir()
         self.model_path = path
+        self.seed, self.enable_prefix_caching = seed, enable_prefix_caching
+        self._next_request = 0
+        self.spec: SpecDecoder | None = None
+        from deepinfer_runtime.distributed.config import ParallelConfig
+
+        self.parallel = ParallelConfig.create(
+            data_parallel_size,
+            expert_parallel_size,
+            context_parallel_size,
+            device_type=self.device.type,
+            enable_eplb=enable_eplb,
+            eplb_window_size=eplb_window_size,
+            eplb_step_interval=eplb_step_interval,
+            num_redundant_experts=num_redundant_experts,
+            cp_min_tokens=context_parallel_min_tokens,
+        )
+        if self.parallel.enabled:  # the ranks build the engine below; this process only drives them
+            if speculative_config is not None:
+                raise ValueError("speculative_config with data/context parallelism is not supported yet")
+            from deepinfer_runtime.distributed.driver import start_parallel
+
+            rank_kwargs = dict(
+                dtype=dtype,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                block_size=block_size,
+                yoco_mode=yoco_mode,
+                yoco_keep_tokens=yoco_keep_tokens,
+                fake_quant=fake_quant,
+                batch_invariant=batch_invariant,
+                log_stats=log_stats,
+                async_scheduling=async_scheduling,
+            )
+            start_parallel(self, path, rank_kwargs, self.parallel)
+            return
         arch_opts: dict[str, Any] = {}
         if _architecture(path) == "DeepseekV41ForCausalLM":
             arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
@@ -162,8 +219,6 @@ class LLM:
             self.eos,
             async_scheduling=bool(async_scheduling),
         )
-        self.seed, self.enable_prefix_caching = seed, enable_prefix_caching
-        self._next_request = 0
 
     def _spec_decoder(self, arg: dict | None, max_rows: int) -> SpecDecoder | None:
         from deepinfer_spec import SpeculativeConfig
@@ -199,6 +254,12 @@ class LLM:
             free, total = torch.cuda.mem_get_info(self.device)
             return int(free - (1 - (utilization or 0.9)) * total)
         return _DEFAULT_CPU_KV_BYTES
+
+    def shutdown(self) -> None:
+        """Stop the rank processes of a multi-process engine (no-op for a single process). Idempotent."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # --- requests ----------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

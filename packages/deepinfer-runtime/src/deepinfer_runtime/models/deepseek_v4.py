@@ -26,7 +26,6 @@ from deepinfer_kernels import (
     mhc_collapse,
     mhc_head_weights,
     mhc_same_site_sublayer,
-    moe_experts,
     moe_route_hash,
     moe_route_topk,
     overlap_windows,
@@ -213,7 +212,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, input_ids)
-        routed = moe_experts(x, experts, weights, self.experts.w13, self.experts.w2, swiglu_limit=self.limit)
+        routed = self.experts(x, experts, weights, swiglu_limit=self.limit)
         s = self.shared_experts
         return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
 

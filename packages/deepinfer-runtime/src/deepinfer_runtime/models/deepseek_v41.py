@@ -46,7 +46,6 @@ from deepinfer_kernels import (
     mhc_collapse,
     mhc_initial_pre_mix,
     mhc_lagged_layer,
-    moe_experts,
     moe_route_topk,
     rope_interleaved,
     rope_inv_freq,
@@ -470,7 +469,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
-        routed = moe_experts(x, experts, weights, self.experts.w13, self.experts.w2, swiglu_limit=self.limit)
+        routed = self.experts(x, experts, weights, swiglu_limit=self.limit)
         s = self.shared_experts
         return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
 

@@ -19,6 +19,7 @@ from deepinfer_kernels import (
     fp8_block_quantize,
     fp8_gemm_nt,
     linear,
+    moe_experts,
     rms_norm,
 )
 from torch import nn
@@ -87,12 +88,20 @@ class Experts(nn.Module):
     """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I].
 
     After ``quantize_mxfp4_()`` they are ``Mxfp4Experts`` (buffers ``w13_packed`` / ``w13_scale`` / ``w2_*``),
-    which ``moe_experts`` runs with the MXFP4 grouped-GEMM ops."""
+    which ``moe_experts`` runs with the MXFP4 grouped-GEMM ops. The MoE layers call the module (not
+    ``moe_experts`` directly) so that expert parallelism can swap in a module with the same call that holds
+    only this rank's experts (``deepinfer_runtime.distributed``)."""
 
     def __init__(self, n_experts: int, inter: int, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.w13 = param(n_experts, 2 * inter, hidden, dtype=dtype)
         self.w2 = param(n_experts, hidden, inter, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *, swiglu_limit: float | None
+    ) -> torch.Tensor:
+        """x [T, d], experts [T, k] int64 logical ids, weights [T, k] fp32 -> [T, d] in x.dtype."""
+        return moe_experts(x, experts, weights, self.w13, self.w2, swiglu_limit=swiglu_limit)
 
     def _weights(self, name: str):
         w = self._parameters.get(name)
