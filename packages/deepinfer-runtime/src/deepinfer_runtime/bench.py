@@ -38,6 +38,8 @@ def run_bench(args: argparse.Namespace, llm, make_params) -> int:
     args.max_tokens = output_len
     params = make_params(args, ignore_eos=True)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    if llm.spec is not None:  # speculation statistics of the timed run only
+        llm.spec.stats = type(llm.spec.stats)()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
