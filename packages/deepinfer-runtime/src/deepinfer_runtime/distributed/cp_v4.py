@@ -30,7 +30,6 @@ from deepinfer_runtime.distributed.cp_comm import gather_in_order
 from deepinfer_runtime.models.deepseek_v4 import Attention
 from deepinfer_runtime.models.deepseek_v4_cache import LayerCache, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING
-from deepinfer_runtime.models.layers import cat_rows
 
 
 def _attention(
@@ -50,9 +49,7 @@ def _attention(
     q = rope_interleaved(rms_norm(q, None, cfg.rms_norm_eps), pos, attn.inv_freq)
     kv = rope_interleaved(attn.kv_norm(attn.wkv(u_all)), pos_all, attn.inv_freq)
     win = cfg.sliding_window
-    rows = cat_rows(cache.window, kv)
-    base = int(pos_all[0]) - (rows.shape[0] - kv.shape[0])
-    cache.window = rows[-(win - 1) :] if win > 1 else rows[:0]
+    rows, base = cache.append_window(kv, win, int(pos_all[0]))
     key_pos = pos[:, None] - win + 1 + torch.arange(win, device=u.device)
     idx = torch.where(key_pos >= 0, key_pos - base, -1)
     kv_all = rows

@@ -20,7 +20,6 @@ from deepinfer_kernels import engram_next_history, mhc_collapse, mhc_initial_pre
 
 from deepinfer_runtime.distributed.cp_comm import gather_in_order
 from deepinfer_runtime.models.deepseek_v41 import Attention, V41SequenceCache
-from deepinfer_runtime.models.layers import cat_rows
 
 
 def _attention(
@@ -40,33 +39,15 @@ def _attention(
     pos_all = torch.sort(torch.cat(owned)).values.to(u.device)
     if attn.kv_source == attn.layer:
         xc, pc = comp if comp is not None else (u_all, pos_all)
-        attn.feed_compressor(xc, pc, cache.source(attn.layer, attn.ratio))
+        attn.feed_compressor(xc, pc, cache.source(attn.layer, attn.ratio), cache.backtrack)
     if not pos_all.numel():
         return u.new_zeros(0, attn.cfg.hidden_size)
     qr, q = attn.query(u, pos)
-    kv = attn.window_kv(u_all, pos_all)  # the window rows of every position: the cache needs them all
-    old = cache.windows.get(attn.layer)
-    rows = cat_rows(old, kv)
-    first = int(pos_all[0]) - (0 if old is None else old.shape[0])
-    cache.windows[attn.layer] = rows[-(attn.window - 1) :] if attn.window > 1 else rows[:0]
+    # the window rows of every position: the cache needs them all
+    rows, first = attn.append_window(cache, attn.window_kv(u_all, pos_all), int(pos_all[0]))
     if not pos.numel():  # none of this rank's rows run here (compact YOCO tail on another rank)
         return u.new_zeros(0, attn.cfg.hidden_size)
-    win_ids = attn.window_ids(pos, first, floor)
-    if attn.ratio == 0:
-        return attn.attend(q, rows, None, win_ids, None, pos)
-    src = cache.sources[attn.kv_source]
-    entries = src.entries.view()
-    entries = entries if entries is not None else u.new_zeros(0, attn.head_dim)
-    if attn.index_source == attn.layer:
-        keys = src.keys.view()
-        keys = keys if keys is not None else u.new_zeros(0, attn.cfg.index_head_dim)
-        scores = attn.index_scores(u, qr, pos, keys)
-        cand = shared.get("candidates") if attn.uses_candidates else None
-        if attn.is_candidate_source:
-            shared["candidates"] = attn.candidates(scores, pos)
-        shared[("topk", attn.layer)] = attn.select(scores, pos, cand)
-    picked = shared[("topk", attn.index_source)]
-    return attn.attend(q, rows, entries, win_ids, picked, pos)
+    return attn.attend_cached(u, qr, q, rows, first, pos, floor, cache, shared)
 
 
 @torch.no_grad()

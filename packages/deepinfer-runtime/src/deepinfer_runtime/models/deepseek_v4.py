@@ -161,10 +161,7 @@ class Attention(nn.Module):
 
     def _attend_one(self, x, qr, q, kv, positions, cache: LayerCache) -> torch.Tensor:
         win = self.cfg.sliding_window
-        rows = cat_rows(cache.window, kv)  # latents of positions base .. last
-        base = int(positions[0]) - (rows.shape[0] - kv.shape[0])
-        keep = win - 1 + cache.backtrack  # W - 1 rows to attend, B more to roll back into
-        cache.window = rows[-keep:] if keep > 0 else rows[:0]
+        rows, base = cache.append_window(kv, win, int(positions[0]))  # latents of positions base .. last
         # window: positions t-win+1 .. t, as rows of `rows`
         key_pos = positions[:, None] - win + 1 + torch.arange(win, device=x.device)
         idx = torch.where(key_pos >= 0, key_pos - base, -1)

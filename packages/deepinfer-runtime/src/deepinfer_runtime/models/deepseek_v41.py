@@ -413,12 +413,22 @@ class Attention(nn.Module):
         if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
             return x.new_zeros(0, self.cfg.hidden_size)
         qr, q = self.query(x, pos)
-        kv = self.window_kv(x, pos)
+        rows, first = self.append_window(cache, self.window_kv(x, pos), int(pos[0]))
+        return self.attend_cached(x, qr, q, rows, first, pos, floor, cache, shared)
+
+    def append_window(self, cache: V41SequenceCache, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        """Append window latents kv [S, D] of positions start.. to the cache's window: returns the rows [window |
+        kv] and the position of their row 0. The cache keeps the last W - 1 rows to attend to, and B more to
+        roll back into (speculative decoding)."""
         old = cache.windows.get(self.layer)
         rows = cat_rows(old, kv)
-        first = int(pos[0]) - (0 if old is None else old.shape[0])
-        keep = self.window - 1 + cache.backtrack  # W - 1 rows to attend, B more to roll back into
+        keep = self.window - 1 + cache.backtrack
         cache.windows[self.layer] = rows[-keep:] if keep > 0 else rows[:0]
+        return rows, start - (0 if old is None else old.shape[0])
+
+    def attend_cached(self, x, qr, q, rows, first: int, pos, floor, cache: V41SequenceCache, shared: dict):
+        """Queries of rows x [S, d] (qr, q from ``query``) at ``pos`` against window ``rows`` (row 0 at position
+        ``first``) and the compressed entries their index source selects (computed here on index sources)."""
         if self.ratio == 0:
             return self.attend(q, rows, None, self.window_ids(pos, first, floor), None, pos)
         src = cache.sources[self.kv_source]

@@ -104,6 +104,14 @@ class LayerCache:
     indexer: CompressorState = field(default_factory=CompressorState)
     backtrack: int = 0  # the window keeps B rows beyond the W - 1 it attends to (speculative rollback)
 
+    def append_window(self, kv: torch.Tensor, window: int, start: int) -> tuple[torch.Tensor, int]:
+        """Append latents kv [S, D] of positions start..; returns rows [window | kv] and the position of their
+        row 0. Keeps the last W - 1 rows to attend to and B more to roll back into."""
+        rows = cat_rows(self.window, kv)
+        keep = window - 1 + self.backtrack
+        self.window = rows[-keep:] if keep > 0 else rows[:0]
+        return rows, start - (rows.shape[0] - kv.shape[0])
+
 
 @dataclass
 class SequenceCache:
