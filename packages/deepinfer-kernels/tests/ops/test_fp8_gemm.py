@@ -14,7 +14,7 @@ from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
 from deepinfer_kernels.ops.quant import act_quant_fp8, fp8_block_quantize
 from deepinfer_kernels.registry import reference
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases, triton_importable
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test, triton_importable
 
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
 
@@ -127,16 +127,8 @@ INTERPRETED = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """All interpreted cases of this file, run once in one TRITON_INTERPRET=1 child process."""
-    return run_interpreted_cases(__file__, INTERPRETED)
-
-
-@needs_triton
-@pytest.mark.parametrize("case", list(INTERPRETED))
-def test_triton_interpreted(interpreted, case):
-    assert not interpreted[case], interpreted[case]
+# every case in one TRITON_INTERPRET=1 child process
+test_triton_interpreted = needs_triton(interpreted_cases_test(__file__, INTERPRETED))
 
 
 # ---------------------------------------------------------------- (c) GPU

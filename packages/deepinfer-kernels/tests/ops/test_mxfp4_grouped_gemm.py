@@ -17,7 +17,7 @@ from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_g
 from deepinfer_kernels.ops.quant.formats import E2M1_VALUES
 from deepinfer_kernels.registry import reference
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases, triton_importable
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test, triton_importable
 
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
 LIMIT = 10.0  # swiglu_limit of V4 / V4.1
@@ -153,16 +153,8 @@ def _interp_grouped(fuse: bool, k: int) -> None:
 INTERPRETED = {"swiglu-K128": ("_interp_grouped", (True, 128)), "plain-K96": ("_interp_grouped", (False, 96))}
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """All interpreted cases of this file, run once in one TRITON_INTERPRET=1 child process."""
-    return run_interpreted_cases(__file__, INTERPRETED)
-
-
-@needs_triton
-@pytest.mark.parametrize("case", list(INTERPRETED))
-def test_triton_interpreted(interpreted, case):
-    assert not interpreted[case], interpreted[case]
+# every case in one TRITON_INTERPRET=1 child process
+test_triton_interpreted = needs_triton(interpreted_cases_test(__file__, INTERPRETED))
 
 
 # ---------------------------------------------------------------- (c) GPU, V4.1-Flash shapes

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from deepinfer_kernels.ops.rms_norm.reference import rms_norm_ref  # noqa: E402
 from deepinfer_kernels.ops.rms_norm.triton import rms_norm_triton  # noqa: E402
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  # noqa: E402
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases  # noqa: E402
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 
@@ -43,15 +43,7 @@ INTERP_CASES = {
 INTERP_CASES["zero-row-eps-invariance"] = ("_interp_zero_row_tiny_eps_and_invariance", ())
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """Every interpreter case, run once in a child process with TRITON_INTERPRET=1 (testing/triton_interpreter.py)."""
-    return run_interpreted_cases(__file__, INTERP_CASES)
-
-
-@pytest.mark.parametrize("case", list(INTERP_CASES))
-def test_interpreter(interpreted, case):
-    assert not interpreted[case], interpreted[case]
+test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
 @pytest.mark.gpu

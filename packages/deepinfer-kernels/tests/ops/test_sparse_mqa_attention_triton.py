@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from deepinfer_kernels.ops.sparse_mqa_attention import triton as attn  # noqa: E402
 from deepinfer_kernels.ops.sparse_mqa_attention.reference import sparse_mqa_attention_ref  # noqa: E402
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  # noqa: E402
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases  # noqa: E402
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 BACKENDS = {"triton": attn.sparse_mqa_attention_triton, "triton_adaptive": attn.sparse_mqa_attention_triton_adaptive}
@@ -60,15 +60,7 @@ INTERP_CASES = {
 INTERP_CASES["int32-backends-invariance"] = ("_interp_int32_indices_backends_and_row_invariance", ())
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """Every interpreter case, run once in a child process with TRITON_INTERPRET=1 (testing/triton_interpreter.py)."""
-    return run_interpreted_cases(__file__, INTERP_CASES)
-
-
-@pytest.mark.parametrize("case", list(INTERP_CASES))
-def test_interpreter(interpreted, case):
-    assert not interpreted[case], interpreted[case]
+test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
 # ---- CUDA, V4.1-Flash shapes ----------------------------------------------------------------

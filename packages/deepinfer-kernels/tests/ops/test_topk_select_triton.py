@@ -52,7 +52,7 @@ def test_reference_matches_indexer_topk_and_breaks_ties_by_index():
 
 triton = pytest.importorskip("triton")
 from deepinfer_kernels.ops.topk_select.triton import topk_select_triton  # noqa: E402
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases  # noqa: E402
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 
 def _interp_matches_reference(k: int, with_lengths: bool) -> None:
@@ -79,15 +79,7 @@ INTERP_CASES = {
 INTERP_CASES["strided-invariance"] = ("_interp_strided_rows_and_invariance", ())
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """Every interpreter case, run once in a child process with TRITON_INTERPRET=1 (testing/triton_interpreter.py)."""
-    return run_interpreted_cases(__file__, INTERP_CASES)
-
-
-@pytest.mark.parametrize("case", list(INTERP_CASES))
-def test_interpreter(interpreted, case):
-    assert not interpreted[case], interpreted[case]
+test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
 # ---- CUDA, indexer shapes -------------------------------------------------------------------

@@ -45,3 +45,27 @@ def run_interpreted_cases(path: str, cases: dict[str, tuple[str, tuple]], timeou
             res = json.loads(line[len("@@case ") :])
             results[res["key"]] = "" if res["ok"] else res["error"]
     return results
+
+
+def interpreted_cases_test(path: str, cases: dict[str, tuple[str, tuple]]):
+    """A pytest test parametrized over ``cases`` whose cases all run once, in one interpreter child process
+    (``run_interpreted_cases``), on first use. In a test file: ``test_interpreter = interpreted_cases_test(
+    __file__, INTERP_CASES)``."""
+    import pytest
+
+    results: dict[str, str] = {}
+    failure: list[BaseException] = []
+
+    @pytest.mark.parametrize("case", list(cases))
+    def test(case: str) -> None:
+        if failure:
+            raise failure[0]
+        if not results:
+            try:
+                results.update(run_interpreted_cases(path, cases))
+            except BaseException as exc:  # e.g. the child timed out: every case reports it, none reruns it
+                failure.append(exc)
+                raise
+        assert not results[case], results[case]
+
+    return test
