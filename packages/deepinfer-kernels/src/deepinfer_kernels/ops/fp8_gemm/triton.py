@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
 from deepinfer_kernels.registry import register_backend
 
 
@@ -73,23 +74,9 @@ def _fp8_gemm_nt_kernel(
         acc += part * (sa[:, None] * sb[None, :])
         a_ptrs += SB
         b_ptrs += SB
-    # SPLIT > 1: c is the fp32 workspace [SPLIT, M, N]; _split_sum_kernel adds the splits in order
+    # SPLIT > 1: c is the fp32 workspace [SPLIT, M, N]; split_sum_kernel adds the splits in order
     c_ptrs = c_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _split_sum_kernel(ws_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """c = ws[0] + ws[1] + ... + ws[SPLIT-1], added in that order (fixed: batch-invariant), then cast."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
-
-
-SMS = 132  # H200; only sets how far decode-size GEMMs are split along K
 
 
 def _config(m: int | None, n: int, k: int, block: int) -> tuple[int, int, int, int, int]:
@@ -139,7 +126,7 @@ def _launch(a, a_scale, b, b_scale, block, out_dtype, fixed: bool) -> torch.Tens
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
-        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+        split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
     return c.reshape(*lead, n)
 
 

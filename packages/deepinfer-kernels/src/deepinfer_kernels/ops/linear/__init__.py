@@ -34,4 +34,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return dispatch("linear", x.device, x, weight)
 
 
+from . import cublas as _cublas  # noqa: E402,F401  (registers the CUDA backend)
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: E402,F401
+except ImportError:
+    pass
+
 __all__ = ["ROW_TILE", "linear"]

@@ -1,0 +1,81 @@
+"""Microbenchmark of ``linear`` (dense y = x W^T) on the GPU at V4.1-Flash shapes.
+
+Run from the repository root:  python packages/deepinfer-kernels/benchmarks/bench_linear.py [--quick]
+
+Measures the ceilings in the same run (copy GB/s, bf16 matmul TFLOP/s at 8192^3), then for each projection and
+M in decode (1, 8, 64, 256) and prefill (4096, 8192) sizes: the reference (16-row tiles, one F.linear each),
+``cublas`` (one F.linear) and ``triton_fixed`` (batch-invariant). Prints TFLOP/s, GB/s (bytes of x, W and y
+once) and % of the ceilings; appends JSON lines to benchmarks/results/linear.jsonl; a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from deepinfer_kernels.ops.linear.cublas import linear_cublas  # noqa: E402
+from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
+from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
+
+# (name, N, K, activation dtype): V4.1-Flash dense projections (hidden 5120) in bf16, router and head in fp32
+SHAPES = [
+    ("wq_a", 1280, 5120, torch.bfloat16),
+    ("wq_b", 32768, 1280, torch.bfloat16),
+    ("wkv", 512, 5120, torch.bfloat16),
+    ("wo_b", 5120, 8192, torch.bfloat16),
+    ("shared_w13", 4608, 5120, torch.bfloat16),
+    ("head_fp32", 129280, 5120, torch.float32),
+]
+M_SIZES = [1, 8, 64, 256, 4096, 8192]
+IMPLS = {"reference": linear_ref, "cublas": linear_cublas, "triton_fixed": linear_triton_fixed}
+
+
+def bench_case(rec, ceil, name, m, n, k, dtype) -> dict:
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    e = x.element_size()
+    flops, nbytes = 2 * m * n * k, (m * k + n * k + m * n) * e
+    row = {"shape": name, "M": m}
+    for impl, fn in IMPLS.items():
+        if impl == "reference" and m > 256:  # M / 16 launches: minutes at prefill sizes, and nothing to learn
+            row[impl + "_us"] = float("nan")
+            continue
+        ms = bench_ms(fn, x, w)
+        tf, gbs = flops / ms / 1e9, nbytes / ms / 1e6
+        row[impl + "_us"] = ms * 1e3
+        pct = {"pct_bf16_peak": 100 * tf / ceil["bf16_TFLOPs"], "pct_copy": 100 * gbs / ceil["copy_GBps"]}
+        rec.add(
+            kind="op", shape=name, M=m, N=n, K=k, dtype=str(dtype), impl=impl, us=ms * 1e3, TFLOPs=tf, GBps=gbs, **pct
+        )
+    best = row["triton_fixed_us"] / 1e3
+    row["fixed_TFLOPs"] = flops / best / 1e9
+    row["fixed_%bf16"] = 100 * row["fixed_TFLOPs"] / ceil["bf16_TFLOPs"]
+    row["fixed_%copy"] = 100 * nbytes / best / 1e6 / ceil["copy_GBps"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
+    args = ap.parse_args()
+    shapes = SHAPES[::2] if args.quick else SHAPES
+    m_sizes = [1, 64, 4096] if args.quick else M_SIZES
+    ceil = {"copy_GBps": copy_ceiling_gbs(), "bf16_TFLOPs": matmul_ceiling_tflops()}
+    print("ceilings:", {k: round(v, 1) for k, v in ceil.items()}, flush=True)
+    rec = Recorder("linear")
+    rec.add(kind="ceilings", **ceil)
+    table = [bench_case(rec, ceil, name, m, n, k, dt) for name, n, k, dt in shapes for m in m_sizes]
+    print("\n== linear (us; TFLOP/s and % of ceilings for triton_fixed)")
+    cols = ["shape", "M", "reference_us", "cublas_us", "triton_fixed_us", "fixed_TFLOPs", "fixed_%bf16", "fixed_%copy"]
+    print("  ".join(f"{c:>15}" for c in cols))
+    for r in table:
+        print("  ".join(f"{r[c]:>15.4g}" if isinstance(r[c], float) else f"{r[c]:>15}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
