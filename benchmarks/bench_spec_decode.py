@@ -3,7 +3,8 @@
 Three runs of the same decode-heavy workload (greedy, short prompts, long outputs) in one process:
 
 * ``plain``: no speculation;
-* ``dspark``: the checkpoint's DSpark head (with random weights its acceptance is meaningless, ~0);
+* ``dspark`` (or ``mtp`` with ``--method mtp``): the checkpoint's DSpark head (V4's MTP layer); with random
+  weights its acceptance is meaningless, ~0;
 * ``ceiling``: drafts forced to the target's greedy tokens (taken from the plain run), so every draft is
   accepted: the most speculation can give at this N on this machine.
 
@@ -11,12 +12,14 @@ Every run must produce the plain run's tokens (checked). Prints a table and writ
 
     python benchmarks/bench_spec_decode.py                      # tiny V4.1 on the CPU
     python benchmarks/bench_spec_decode.py --device cuda --dtype bfloat16 --batch-sizes 1 8 64 --output-len 64
+    python benchmarks/bench_spec_decode.py --method mtp --num-speculative-tokens 1   # tiny V4 with an MTP layer
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +44,10 @@ def _run(llm: LLM, prompts, params) -> tuple[list, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny V4.1)")
+    ap.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the built-in tiny V4.1, or a tiny V4)"
+    )
+    ap.add_argument("--method", default="dspark", choices=("dspark", "mtp"), help="the drafter under test")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
@@ -50,12 +56,21 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--output-json", default="bench_spec_decode.json")
     args = ap.parse_args()
-    path = Path(args.model) if args.model else default_model_dir()
+    if args.model:
+        path = Path(args.model)
+    elif args.method == "dspark":
+        path = default_model_dir()
+    else:  # a tiny random V4 with its MTP layer
+        from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+        path = write_tiny_checkpoint(
+            Path(tempfile.mkdtemp()) / "tiny-v4-mtp", "v4", config={"num_nextn_predict_layers": 1}
+        )
     n_spec = args.num_speculative_tokens
-    spec = {"method": "dspark", "num_speculative_tokens": n_spec}
+    spec = {"method": args.method, "num_speculative_tokens": n_spec}
     opts = dict(dtype=args.dtype, device=args.device, log_stats=False, kv_cache_memory=2 << 30)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llms = {"plain": LLM(model=path, **opts), "dspark": LLM(model=path, speculative_config=spec, **opts)}
+    llms = {"plain": LLM(model=path, **opts), args.method: LLM(model=path, speculative_config=spec, **opts)}
     llms["ceiling"] = LLM(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": n_spec}, **opts)
     results = []
     for bs in args.batch_sizes:
@@ -65,7 +80,7 @@ def main() -> None:
         plain, t_plain = _run(llms["plain"], prompts, params)
         scripts = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain}
         llms["ceiling"].spec.proposer = ScriptedProposer(scripts, n_spec, vocab)
-        for name in ("plain", "dspark", "ceiling"):
+        for name in ("plain", args.method, "ceiling"):
             outs, t = (plain, t_plain) if name == "plain" else _run(llms[name], prompts, params)
             same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, plain))
             stats = llms[name].spec.stats.as_dict() if llms[name].spec is not None else {}

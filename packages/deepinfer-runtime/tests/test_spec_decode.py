@@ -1,7 +1,8 @@
 """Speculative decoding through the engine: greedy outputs are token for token those of plain decoding (V4.1
-with DSpark, V4 with prompt lookup; mixed lengths, chunked prefill, prefix-cache hits, drafts trimmed by the
-token budget), acceptance statistics are right on constructed drafts (always / never accepted), and seeded
-sampling with drafts is reproducible. The verifiers' distribution tests live in deepinfer-spec."""
+with DSpark, V4 with prompt lookup and with its MTP layer, whose drafts do not depend on the prefix cache;
+mixed lengths, chunked prefill, prefix-cache hits, drafts trimmed by the token budget), acceptance statistics
+are right on constructed drafts (always / never accepted), and seeded sampling with drafts is reproducible.
+The verifiers' distribution tests live in deepinfer-spec."""
 
 import pytest
 import torch
@@ -79,6 +80,48 @@ def test_v4_greedy_with_drafts_equals_plain_decoding(tiny_v4_dirs):
         assert llm.spec.stats.total.acceptance_rate == (0.0 if wrong else 1.0)
 
 
+@pytest.fixture(scope="module")
+def v4_mtp_dir(tmp_path_factory):
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("spec") / "v4mtp", "v4", config={"num_nextn_predict_layers": 1}
+    )
+
+
+def _recorded_drafts(llm) -> dict:
+    """Record every draft block the engine proposes: (prompt, known tokens) -> drafts."""
+    seen, propose = {}, llm.spec.propose
+
+    def recording(reqs, after_prefill):
+        propose(reqs, after_prefill)
+        for r in reqs:
+            seen[(tuple(r.prompt_token_ids), r.num_known_tokens)] = list(r.spec_token_ids)
+
+    llm.spec.propose = recording
+    return seen
+
+
+def test_v4_mtp_greedy_equals_plain_decoding(v4_mtp_dir, num_drafts=2):
+    """V4's MTP layer drafts; outputs equal plain decoding, and the drafts themselves do not depend on the prefix
+    cache (a hit restores the MTP state exactly) or on the batch."""
+    prompts = _prompts(4, vocab=1000)
+    _, plain = _generate(v4_mtp_dir, prompts, None)
+    mtp = {"method": "mtp", "num_speculative_tokens": num_drafts}
+    drafts = []
+    for caching, seqs in ((True, 4), (False, 2)):
+        opts = dict(dtype="float32", device="cpu", max_num_seqs=seqs, max_num_batched_tokens=24, log_stats=False)
+        llm = LLM(model=v4_mtp_dir, speculative_config=mtp, enable_prefix_caching=caching, **opts)
+        drafts.append(_recorded_drafts(llm))
+        params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=0)
+        half = len(prompts) // 2
+        out = llm.generate(prompts[:half], params, use_tqdm=False) + llm.generate(
+            prompts[half:], params, use_tqdm=False
+        )
+        _same(out, plain)
+        assert (sum(o.num_cached_tokens for o in out) > 0) == caching
+        assert llm.spec.stats.total.verified > 0 and out[0].metrics.spec_decoding["spec_verify_steps"] > 0
+    assert drafts[0] == drafts[1] and len(drafts[0]) > len(prompts)
+
+
 def test_prompt_lookup_drafts_what_followed_the_last_match():
     from deepinfer_runtime.engine.proposers import NgramProposer
     from deepinfer_spec import SpeculativeConfig
@@ -136,5 +179,9 @@ def test_bad_speculative_configs_are_named(v41_dir, tiny_v4_dirs):
         LLM(model=tiny_v4_dirs["mixed"], dtype="float32", device="cpu", speculative_config=DSPARK)
     with pytest.raises(ValueError, match="unknown key"):
         LLM(model=v41_dir, dtype="float32", device="cpu", speculative_config={"methd": "dspark"})
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        LLM(model=v41_dir, dtype="float32", device="cpu", speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="no MTP layer"):
+        LLM(model=tiny_v4_dirs["mixed"], dtype="float32", device="cpu", speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(model=v41_dir, dtype="float32", device="cpu", speculative_config=DSPARK, async_scheduling=True)

@@ -78,7 +78,8 @@ class LLM:
         async_scheduling: plan and launch step N+1 while the device still runs step N (default: on for CUDA,
             off on the CPU, where host and device are the same cores). Outputs are identical either way.
         speculative_config: speculative decoding, vLLM's dict shape: ``{"method": "dspark",
-            "num_speculative_tokens": 5}`` (V4.1's DSpark head), ``{"method": "ngram", ...}`` (prompt lookup,
+            "num_speculative_tokens": 5}`` (V4.1's DSpark head), ``{"method": "mtp", "num_speculative_tokens": 1}``
+            (V4-Flash's MTP layer, loaded only then), ``{"method": "ngram", ...}`` (prompt lookup,
             any model); keys ``verification`` ("rejection" | "block"), ``varlen``, ``verify_budget``,
             ``confidence_temperature`` (see ``deepinfer_spec.SpeculativeConfig``). None: DeepInfer's
             ``DEEPINFER_USE_NEXTN_DECODE`` (off when unset or 0). Runs synchronously (async scheduling off).
@@ -182,9 +183,14 @@ class LLM:
             )
             start_parallel(self, path, rank_kwargs, self.parallel)
             return
+        from deepinfer_spec import SpeculativeConfig
+
+        spec_config = SpeculativeConfig.from_engine_arg(speculative_config)
         arch_opts: dict[str, Any] = {}
         if _architecture(path) == "DeepseekV41ForCausalLM":
             arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
+        if spec_config is not None and spec_config.method == "mtp":
+            arch_opts["mtp"] = True  # V4's MTP layer is loaded only to draft with it
         self.model = load_model(path, dtype=dtype, device=self.device, **arch_opts)
         self.tokenizer = Tokenizer(path)
         cfg = self.model.cfg
@@ -195,7 +201,7 @@ class LLM:
         block_size = _block_size(block_size, self.model.growing_ratios())
         budget_bytes = self._kv_budget(gpu_memory_utilization, kv_cache_memory)
         snapshots = max_num_seqs if enable_prefix_caching else 0
-        self.spec = self._spec_decoder(speculative_config, max_num_batched_tokens)
+        self.spec = self._spec_decoder(spec_config, max_num_batched_tokens)
         layout = self.model.cache_layout(0 if self.spec is None else self.spec.backtrack)
         self.budget = CacheBudget(layout, budget_bytes, max_num_seqs, block_size, snapshots)
         if log_stats:
@@ -220,12 +226,9 @@ class LLM:
             async_scheduling=bool(async_scheduling),
         )
 
-    def _spec_decoder(self, arg: dict | None, max_rows: int) -> SpecDecoder | None:
-        from deepinfer_spec import SpeculativeConfig
-
+    def _spec_decoder(self, config, max_rows: int) -> SpecDecoder | None:
         from deepinfer_runtime.engine.proposers import build_proposer
 
-        config = SpeculativeConfig.from_engine_arg(arg)
         if config is None:
             return None
         spec = SpecDecoder(

@@ -36,6 +36,7 @@ def load_model(
     dtype: torch.dtype | str = torch.bfloat16,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    mtp: bool = False,
     **v41_options,
 ) -> torch.nn.Module:
     """Load the model in ``path`` (config.json + safetensors) with weights dequantised to ``dtype``.
@@ -43,7 +44,8 @@ def load_model(
     Supported architectures: ``DeepseekV4ForCausalLM`` and ``DeepseekV41ForCausalLM``. The returned model has
     ``forward_logits(input_ids [B, S]) -> float logits [B, S, V]``. V4.1 options: ``fake_quant`` (the trained
     KV quantisers; False makes them the identity), ``yoco_mode`` (off | mask | compact), ``yoco_keep_tokens``,
-    ``engram_device`` (where the Engram tables live).
+    ``engram_device`` (where the Engram tables live). V4 option: ``mtp`` also loads the MTP layers ``mtp.*`` (the
+    drafter of speculative method "mtp"; V4.1 has none: its draft head is DSpark, always loaded).
     """
     path = Path(path)
     if not path.is_dir():
@@ -62,17 +64,24 @@ def load_model(
             raise ValueError(f"options {sorted(v41_options)} apply to DeepSeek-V4.1 only")
         from deepinfer_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM
         from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
-        from deepinfer_runtime.models.deepseek_v4_weights import model_param_for, v4_inventory
+        from deepinfer_runtime.models.deepseek_v4_weights import model_param_for, v4_inventory, v4_mtp_inventory
 
         cfg = DeepseekV4Config.from_file(config_file)
+        if mtp and cfg.num_nextn_predict_layers < 1:
+            raise ConfigError(
+                f"{config_file}: num_nextn_predict_layers is 0: this checkpoint has no MTP layer for speculative "
+                "method 'mtp'"
+            )
         ckpt = SafetensorsDir(path)
-        model = DeepseekV4ForCausalLM(cfg, dtype=dtype)
-        # the MTP head (mtp.*) belongs to speculative decoding; it is not part of this model
-        load_weights(
-            model, v4_inventory(cfg), ckpt, cfg.quant, model_param_for, ignore_prefixes=("mtp.",), progress=progress
-        )
+        model = DeepseekV4ForCausalLM(cfg, dtype=dtype, mtp=mtp)
+        # the MTP layers (mtp.*) serve speculative decoding only: loaded when asked for
+        inventory = v4_inventory(cfg) + (v4_mtp_inventory(cfg) if mtp else [])
+        ignore = () if mtp else ("mtp.",)
+        load_weights(model, inventory, ckpt, cfg.quant, model_param_for, ignore_prefixes=ignore, progress=progress)
         return model.to(device).eval()
     if arch == "DeepseekV41ForCausalLM":
+        if mtp:
+            raise ValueError("DeepSeek-V4.1 has no MTP layer: its draft head is DSpark (speculative method 'dspark')")
         return _load_v41(path, dtype, device, progress, **v41_options)
     raise ConfigError(
         f"{config_file}: architecture {arch!r} is not supported (have: DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)"

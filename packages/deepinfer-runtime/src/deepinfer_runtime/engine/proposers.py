@@ -3,6 +3,9 @@
 * ``DSparkProposer``: the V4.1 DSpark head (procedure D): steps 1-4 in the model (``dspark_hidden``: block rows
   [anchor, noise...] over each stage's context rows), steps 5-6 in ``deepinfer_spec.markov_drafts`` with each
   request's own sampler on the draft random stream. After a prefill it drafts D6 placeholders (as DeepInfer).
+* ``MTPProposer``: V4-Flash's MTP layer (vLLM's ``"mtp"`` method): the layer runs the backbone streams whose next
+  tokens became known, the anchor last, and chains on itself for further drafts (``model.draft_mtp``); each draft
+  is sampled with the request's own sampler on the draft random stream, like DSpark's.
 * ``NgramProposer``: prompt lookup (vLLM's ``"ngram"`` method) for any model: the tokens that followed the last
   earlier occurrence of the sequence's trailing n-gram. Deterministic drafts: one-hot draft distributions,
   which keeps rejection sampling lossless.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from deepinfer_spec import Drafts, ProposeBatch, SpeculativeConfig, markov_drafts
+from deepinfer_spec.drafting import sample_draft
 
 
 class DSparkProposer:
@@ -44,6 +48,38 @@ class DSparkProposer:
             self.config.confidence_temperatures,
             batch,
         )
+
+
+class MTPProposer:
+    """``ProposeBatch.context``: per request (model cache, token-id accessor ``token_ids(start, stop)``)."""
+
+    placeholders_after_prefill = False  # the layer drafts from the prompt's last streams at once
+    context_kind = "caches+tokens"
+
+    def __init__(self, model, config: SpeculativeConfig):
+        if getattr(model, "draft_mtp", None) is None:
+            raise ValueError(
+                f"speculative_config method 'mtp' needs DeepSeek-V4's MTP layer; {type(model).__name__} has none "
+                "(V4.1 drafts with 'dspark')"
+            )
+        if model.mtp is None:
+            raise ValueError("speculative_config method 'mtp': the model was loaded without its MTP layer (mtp=True)")
+        self.model, self.config = model, config
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, batch: ProposeBatch) -> Drafts:
+        tokens, logprobs = [], []
+
+        def sample(j: int, logits: torch.Tensor) -> torch.Tensor:
+            t, lp = sample_draft(logits, batch, batch.anchor_positions + 1 + j)
+            tokens.append(t)
+            logprobs.append(lp)
+            return t
+
+        caches, accessors = zip(*batch.context)
+        anchors = batch.anchor_positions.tolist()
+        self.model.draft_mtp([c.mtp for c in caches], list(accessors), anchors, self.num_speculative_tokens, sample)
+        return Drafts(torch.stack(tokens, 1), torch.stack(logprobs, 1), None)
 
 
 class NgramProposer:
@@ -86,8 +122,9 @@ def build_proposer(model, config: SpeculativeConfig):
         return DSparkProposer(model, config)
     if config.method == "ngram":
         return NgramProposer(model.cfg.vocab_size, config)
+    if config.method == "mtp":
+        return MTPProposer(model, config)
     raise ValueError(
         f"speculative_config method {config.method!r} is not available for {type(model).__name__}: "
-        "DeepInfer serves 'dspark' (V4.1 checkpoints with a DSpark head) and 'ngram' (any model); V4-Flash's MTP "
-        "layer is not implemented yet"
+        "DeepInfer serves 'dspark' (V4.1 checkpoints with a DSpark head), 'mtp' (V4-Flash's MTP layer) and 'ngram'"
     )

@@ -193,11 +193,13 @@ class SpecDecoder:
         seeds = torch.tensor([seed_to_int64(r.seed) for r in reqs], dtype=torch.int64, device=dev)
         if self.config.verification == "block":  # fresh draft streams per block (see block_verify)
             seeds = block_step_seeds(seeds, positions)
-        context = (
-            [r.cache for r in reqs]
-            if self.config.method == "dspark"
-            else [r.token_ids(0, r.num_known_tokens) for r in reqs]
-        )
+        kind = self.proposer.context_kind
+        if kind == "caches":
+            context = [r.cache for r in reqs]
+        elif kind == "tokens":
+            context = [r.token_ids(0, r.num_known_tokens) for r in reqs]
+        else:  # "caches+tokens"
+            context = [(r.cache, r.token_ids) for r in reqs]
         return ProposeBatch(
             anchors=anchors,
             anchor_positions=positions,

@@ -16,6 +16,8 @@ compressors run per request on that request's ``SequenceCache``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from deepinfer_kernels import (
     grouped_linear,
@@ -23,8 +25,6 @@ from deepinfer_kernels import (
     indexer_topk,
     kv_compress_pool,
     linear,
-    mhc_collapse,
-    mhc_head_weights,
     mhc_same_site_sublayer,
     moe_route_hash,
     moe_route_topk,
@@ -41,6 +41,7 @@ from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.kv_pool import CacheSnapshot
 from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, RowFactory, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_runtime.models.deepseek_v4_mtp import MTPState, head_logits, mtp_state
 from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
 
 
@@ -121,10 +122,10 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """Shared-KV MQA over a sliding window plus compressed entries, with sinks (section A.4)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__()
         self.cfg = cfg
-        self.kind = cfg.layer_types[layer]
+        self.kind = kind or cfg.layer_types[layer]
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -215,12 +216,14 @@ class MoE(nn.Module):
 
 
 class Block(MhcBlock):
-    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
+    """Layer ``layer`` (its attention kind from the schedule unless ``kind`` is given: the MTP layer's)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__(cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         d = cfg.hidden_size
         self.attn_norm = Norm(d, cfg.rms_norm_eps)
         self.ffn_norm = Norm(d, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, dtype)
+        self.attn = Attention(cfg, layer, dtype, kind)
         self.ffn = MoE(cfg, layer, dtype)
 
     def forward(self, x, input_ids, positions, caches):
@@ -231,10 +234,41 @@ class Block(MhcBlock):
         return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self.mhc("ffn"), self.hc)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    """The V4-Flash backbone (MTP head not included). Logits are fp32."""
+class MTPLayer(Block):
+    """``mtp.I`` (section A.9; the drafting around it: ``deepseek_v4_mtp``): a sliding-window block with a biased
+    router, fed X0_j = h_proj(hnorm(X_main_j)) + e_proj(enorm(embed(next token))) per stream j, with its own mHC
+    head and final norm; embedding and LM head are the backbone's."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype):
+        super().__init__(cfg, cfg.num_hidden_layers + index, dtype, kind=SLIDING)  # past the hash-routed layers
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.cfg = cfg
+        self.e_proj = Linear(d, d, dtype)
+        self.h_proj = Linear(d, d, dtype)
+        self.enorm = Norm(d, cfg.rms_norm_eps)
+        self.hnorm = Norm(d, cfg.rms_norm_eps)
+        self.norm = Norm(d, cfg.rms_norm_eps)
+        self.hc_head_fn = param(n, n * d, dtype=torch.float32)
+        self.hc_head_base = param(n, dtype=torch.float32)
+        self.hc_head_scale = param(1, dtype=torch.float32)
+
+    def run(self, streams, embeds, ids, positions, windows):
+        """streams [T, n, d] (X_main), embeds [T, d] of the next tokens ``ids`` [T], positions per request (RoPE
+        position i for the row of X_main at i) -> output streams [T, n, d]; each window ring advances. The
+        embedding is zeroed at position 0 (vLLM's convention)."""
+        pos = torch.cat(positions)
+        e = self.enorm(torch.where((pos == 0)[:, None], 0, embeds))
+        return self(self.h_proj(self.hnorm(streams)) + self.e_proj(e)[:, None, :], ids, positions, windows)
+
+    def logits(self, streams: torch.Tensor, head: Linear) -> torch.Tensor:
+        """Output streams [T, n, d] -> fp32 logits [T, V] through this layer's mHC head and norm."""
+        return head_logits(streams, (self.hc_head_fn, self.hc_head_base, self.hc_head_scale), self.norm, head, self.cfg)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The V4-Flash backbone; with ``mtp`` also its MTP layers (speculative method "mtp"). Logits are fp32."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, mtp: bool = False):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -246,11 +280,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_fn = param(n, n * d, dtype=torch.float32)
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
+        if mtp and cfg.num_nextn_predict_layers < 1:
+            raise ValueError("this config has num_nextn_predict_layers = 0: no MTP layer to build")
+        n_mtp = cfg.num_nextn_predict_layers if mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(cfg, i, dtype) for i in range(n_mtp)) if mtp else None
 
     def new_cache(self, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
         """An empty request cache; ``new_rows`` makes its entry stores (default: standalone tensors);
-        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens."""
-        return SequenceCache.empty(self.cfg.num_hidden_layers, new_rows, backtrack)
+        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens. With MTP layers the
+        cache also carries their ``MTPState``."""
+        cache = SequenceCache.empty(self.cfg.num_hidden_layers, new_rows, backtrack)
+        if self.mtp is not None:
+            cache.mtp = mtp_state(self.cfg, backtrack)
+        return cache
 
     def restore_cache(self, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
         return SequenceCache.restore(snap, new_rows, backtrack)
@@ -259,6 +301,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Undo the last ``num_tokens`` tokens of ``cache`` (rejected drafts; at most its backtrack B).
         ``token_ids`` is accepted for interface parity with V4.1 (V4's state needs no token ids)."""
         cache.rollback(num_tokens)
+        if cache.mtp is not None:
+            cache.mtp.truncate(cache.seq_len)
 
     def growing_ratios(self) -> set[int]:
         """Compression ratios of the growing cache kinds (an engine block must hold whole groups)."""
@@ -269,7 +313,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return 1
 
     def cache_layout(self, backtrack: int = 0) -> CacheLayout:
-        return v4_cache_layout(self.cfg, self.dtype, backtrack)
+        return v4_cache_layout(self.cfg, self.dtype, backtrack, mtp=self.mtp is not None)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
@@ -309,23 +353,53 @@ class DeepseekV4ForCausalLM(nn.Module):
         picked, sizes, start = [], [], 0
         for j, (c, ch) in enumerate(zip(caches, chunks)):
             rows = torch.arange(start, start + ch.shape[0], device=dev)
+            if c.mtp is not None:  # the MTP layer drafts from these streams once the next tokens are known
+                c.mtp.push(x[start : start + ch.shape[0]], c.seq_len)
             start += ch.shape[0]
             c.seq_len += ch.shape[0]
             if logit_rows is not None and logit_rows[j] is not None:
                 rows = rows[logit_rows[j].to(dev)]
             picked.append(rows)
             sizes.append(rows.numel())
-        xr = x[torch.cat(picked)]
-        pre = mhc_head_weights(
-            xr,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            norm_eps=self.cfg.rms_norm_eps,
-            hc_eps=self.cfg.hc_eps,
-        )
-        logits = linear(self.norm(mhc_collapse(xr, pre)).float(), self.head.weight.float())
-        return list(logits.split(sizes))
+        hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
+        return list(head_logits(x[torch.cat(picked)], hc, self.norm, self.head, self.cfg).split(sizes))
+
+    @torch.no_grad()
+    def draft_mtp(
+        self,
+        states: list[MTPState],
+        token_ids: list[Callable[[int, int], list[int]]],
+        anchors: list[int],
+        num_drafts: int,
+        sample: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Draft ``num_drafts`` tokens after each request's anchor with MTP layer 0 (chained on itself).
+
+        Request b's anchor (its newest token, not yet run by the backbone) sits at position ``anchors[b]``; its
+        state holds the backbone streams up to anchors[b] - 1 and ``token_ids[b](start, stop)`` gives its tokens.
+        First the rows the layer has not run yet (next tokens known, the anchor the last of them); then each
+        draft: ``sample(j, logits fp32 [B, V])`` returns draft j (int64 [B], position anchor + 1 + j), which the
+        next chained row embeds. The chained rows leave the window rings again (they were drafts).
+        """
+        layer, dev = self.mtp[0], self.embed.weight.device
+        streams, ids, positions = [], [], []
+        for st, tokens, a in zip(states, token_ids, anchors):
+            rows, first = st.take(a)
+            streams.append(rows)
+            positions.append(torch.arange(first, a, device=dev))
+            ids.append(torch.tensor(tokens(first + 1, a + 1), dtype=torch.int64, device=dev))
+            st.seq_len = a
+        windows = [st.window for st in states]
+        flat = torch.cat(ids)
+        x = layer.run(torch.cat(streams), self.embed.weight[flat], flat, positions, windows)
+        x = x[torch.tensor([p.numel() for p in positions], device=dev).cumsum(0) - 1]
+        for j in range(num_drafts):
+            drafts = sample(j, layer.logits(x, self.head))
+            if j + 1 < num_drafts:
+                pos = [torch.tensor([a + j], device=dev) for a in anchors]
+                x = layer.run(x, self.embed.weight[drafts], drafts, pos, windows)
+        for w in windows:
+            w.drop_window(num_drafts - 1)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""
@@ -339,9 +413,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
 
 
-def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0) -> CacheLayout:
+def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False) -> CacheLayout:
     """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``). ``backtrack``
-    B: the rings' extra rows for speculative rollback (windows W - 1 + B; projection rings of the compressors)."""
+    B: the rings' extra rows for speculative rollback (windows W - 1 + B; projection rings of the compressors).
+    ``mtp``: the MTP layer's window ring and the backbone streams it drafts from (``deepseek_v4_mtp``)."""
     e = torch.finfo(dtype).bits // 8
     w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
@@ -353,12 +428,16 @@ def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 
     if b:  # rings of projected rows (kv + score): CSA 2 * ratio - 1 + B (kv and indexer), HCA ratio - 1 + B
         csa_state += (2 * r_csa - 1 + b) * 2 * (2 * d + 2 * dh) * 4
         hca_state += (r_hca - 1 + b) * 2 * d * 4
-    return CacheLayout(
-        (
-            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
-            CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),
-            CacheKind("index keys (CSA)", n_csa * dh * e / r_csa, 0),
-            CacheKind("compressed KV (HCA)", n_hca * d * e / r_hca, 0),
-            CacheKind("compressor state (fp32)", 0, n_csa * csa_state + n_hca * hca_state),
-        )
-    )
+    kinds = [
+        CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
+        CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),
+        CacheKind("index keys (CSA)", n_csa * dh * e / r_csa, 0),
+        CacheKind("compressed KV (HCA)", n_hca * d * e / r_hca, 0),
+        CacheKind("compressor state (fp32)", 0, n_csa * csa_state + n_hca * hca_state),
+    ]
+    if mtp:
+        kinds += [
+            CacheKind("MTP window latents", 0, (w - 1 + b) * d * e),
+            CacheKind("MTP backbone streams", 0, (w + b) * cfg.hc_mult * cfg.hidden_size * e),
+        ]
+    return CacheLayout(tuple(kinds))

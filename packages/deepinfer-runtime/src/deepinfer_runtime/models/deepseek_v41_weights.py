@@ -11,7 +11,16 @@ and the DSpark draft stages ``mtp.0..S-1``.
 
 from __future__ import annotations
 
-from deepinfer_runtime.models.deepseek_v4_weights import BF16, EXPERT, FP32, LINEAR, TensorSpec
+from deepinfer_runtime.models.deepseek_v4_weights import (
+    BF16,
+    EXPERT,
+    FP32,
+    LINEAR,
+    TensorSpec,
+    core_rows,
+    expert_rows,
+    shared_expert_rows,
+)
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 
 # FP8 e4m3 rows [rows, engram_head_dim] + E8M0 scales [rows, engram_head_dim / 32] when quantised
@@ -22,40 +31,13 @@ __all__ = ["ENGRAM_TABLE", "stored_tensors", "checkpoint_tensor_count", "v41_inv
 
 def _block(prefix: str, cfg: DeepseekV41Config, n_experts: int) -> list[TensorSpec]:
     """Tensors every block has (backbone layer or DSpark stage): norms, mHC, attention core, MoE."""
-    d, n = cfg.hidden_size, cfg.hc_mult
-    h, hd, ql = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
-    g, orank, i = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size
-    mix = (2 + n) * n
-    p = prefix
-    rows = [
-        (p + "attn_norm.weight", (d,), BF16),
-        (p + "ffn_norm.weight", (d,), BF16),
-        *[
-            (p + f"hc_{s}_{part}", shape, FP32)
-            for s in ("attn", "ffn")
-            for part, shape in (("fn", (mix, n * d)), ("base", (mix,)), ("scale", (3,)))
-        ],
-        (p + "attn.attn_sink", (h,), FP32),
-        (p + "attn.wq_a.weight", (ql, d), LINEAR),
-        (p + "attn.q_norm.weight", (ql,), BF16),
-        (p + "attn.wq_b.weight", (h * hd, ql), LINEAR),
-        (p + "attn.wkv.weight", (hd, d), LINEAR),
-        (p + "attn.kv_norm.weight", (hd,), BF16),
-        (p + "attn.wo_a.weight", (g * orank, h * hd // g), LINEAR),
-        (p + "attn.wo_b.weight", (d, g * orank), LINEAR),
+    d, p = cfg.hidden_size, prefix
+    gate = [
         (p + "ffn.gate.weight", (n_experts, d), BF16),
         (p + "ffn.gate.bias", (n_experts,), FP32),
         (p + "ffn.gate.bias_vl", (n_experts,), FP32),
-        (p + "ffn.shared_experts.w1.weight", (i, d), LINEAR),
-        (p + "ffn.shared_experts.w3.weight", (i, d), LINEAR),
-        (p + "ffn.shared_experts.w2.weight", (d, i), LINEAR),
     ]
-    for x in range(n_experts):
-        rows += [
-            (p + f"ffn.experts.{x}.w1.weight", (i, d), EXPERT),
-            (p + f"ffn.experts.{x}.w3.weight", (i, d), EXPERT),
-            (p + f"ffn.experts.{x}.w2.weight", (d, i), EXPERT),
-        ]
+    rows = core_rows(p, cfg) + gate + shared_expert_rows(p, cfg) + expert_rows(p, cfg, n_experts)
     return [TensorSpec(*row) for row in rows]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -112,11 +113,17 @@ class LayerCache:
         self.window = rows[-keep:] if keep > 0 else rows[:0]
         return rows, start - (rows.shape[0] - kv.shape[0])
 
+    def drop_window(self, num_tokens: int) -> None:
+        """Forget the newest ``num_tokens`` window rows (rolled-back tokens)."""
+        if self.window is not None:
+            self.window = self.window[: max(self.window.shape[0] - num_tokens, 0)]
+
 
 @dataclass
 class SequenceCache:
     layers: list[LayerCache]
     seq_len: int = 0
+    mtp: Any = None  # the MTP layer's ``MTPState`` when the model drafts with it (deepseek_v4_mtp)
 
     @classmethod
     def empty(cls, num_layers: int, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
@@ -148,8 +155,7 @@ class SequenceCache:
             )
         old, new = self.seq_len, self.seq_len - num_tokens
         for lc in self.layers:
-            if lc.window is not None:
-                lc.window = lc.window[: max(lc.window.shape[0] - num_tokens, 0)]
+            lc.drop_window(num_tokens)
         for _, state in self._states():
             state.rollback(old, new)
         self.seq_len = new
@@ -161,7 +167,8 @@ class SequenceCache:
 
     def snapshot(self) -> CacheSnapshot:
         """Windows and compressor tails cloned; entries by (ratio, length) only (they stay in the pool)."""
-        fixed = SequenceCache([LayerCache(window=_clone(lc.window)) for lc in self.layers], self.seq_len)
+        mtp = None if self.mtp is None else self.mtp.clone()
+        fixed = SequenceCache([LayerCache(window=_clone(lc.window)) for lc in self.layers], self.seq_len, mtp)
         tails = {k: s.tail() for k, s in self._states()}
         lengths = {k: (s.ratio, s.num_entries) for k, s in self._states() if s.entries is not None}
         return CacheSnapshot(fixed, tails, lengths)
@@ -170,6 +177,7 @@ class SequenceCache:
     def restore(cls, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
         cache = cls.empty(len(snap.fixed.layers), new_rows, backtrack)
         cache.seq_len = snap.fixed.seq_len
+        cache.mtp = None if snap.fixed.mtp is None else snap.fixed.mtp.clone()
         for lc, old in zip(cache.layers, snap.fixed.layers):
             lc.window = old.window
         for key, state in cache._states():

@@ -35,6 +35,7 @@ from deepinfer_runtime.models.deepseek_v4_weights import (
     LINEAR,
     TensorSpec,
     v4_inventory,
+    v4_mtp_inventory,
 )
 from deepinfer_runtime.models.deepseek_v41_config import RELEASED_QUANT, DeepseekV41Config
 from deepinfer_runtime.models.deepseek_v41_weights import ENGRAM_TABLE, v41_inventory
@@ -320,7 +321,8 @@ def write_tiny_checkpoint(
             }
             raw["expert_dtype"] = "fp4" if quant == "fp8+fp4" else "fp8"
         cfg = DeepseekV4Config.from_dict(raw)
-        tensors = _random_checkpoint(v4_inventory(cfg), cfg, quant, block, seed)
+        # the MTP layers (mtp.*) as the release ships them, when the config has num_nextn_predict_layers
+        tensors = _random_checkpoint(v4_inventory(cfg) + v4_mtp_inventory(cfg), cfg, quant, block, seed)
     _write_dir(out, tensors, raw, num_shards)
     return out
 
