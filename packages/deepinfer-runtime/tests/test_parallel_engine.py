@@ -75,6 +75,11 @@ def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
         llm.shutdown()
     assert outs == ref
     engine = llm.engine
+    # each rank read only its 5 slots' experts (8 experts + 2 redundant: slot p holds expert p mod 8); EPLB
+    # then moved weights between the ranks and outputs still equal the single process
+    for stats, experts in zip(engine.load_stats, ({0, 1, 2, 3, 4}, {5, 6, 7, 0, 1}), strict=True):
+        assert stats.routed_experts() == {("layers", layer): experts for layer in range(4)}
+        assert stats.bytes_read < stats.checkpoint_bytes
     assert engine.cp_prefills == 3  # the 80-token prompt (n = 2: two requests) and the 64-token one; rest DP
     # EPLB rearranged live (requests in flight) and really moved experts
     assert engine.eplb_rearrangements >= 2 and engine.eplb_moved_slots > 0
@@ -102,6 +107,27 @@ def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
         llm.shutdown()
     assert outs == ref
     assert llm.engine.cp_prefills == 2 + world // 4
+    # per-rank loading: 16 experts split into `world` consecutive blocks, the DSpark stages' experts everywhere;
+    # the Engram rows read by all ranks together are each table exactly once
+    stats = llm.engine.load_stats
+    per = 16 // world
+    for rank, st in enumerate(stats):
+        read = st.routed_experts()
+        assert {read[k] == set(range(rank * per, (rank + 1) * per)) for k in read if k[0] == "layers"} == {True}
+        assert {frozenset(read[k]) for k in read if k[0] == "mtp"} == {frozenset(range(8))}
+    table = _whole_engram_bytes(v41_dir)
+    assert sum(st.bytes_of(contains=".engram.embed.") for st in stats) == table
+    assert all(st.bytes_of(contains=".engram.embed.") < table for st in stats)
+
+
+def _whole_engram_bytes(path):
+    from safetensors import safe_open
+
+    total = 0
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as fh:
+            total += sum(fh.get_tensor(n).nbytes for n in fh.keys() if ".engram.embed." in n)
+    return total
 
 
 def test_killed_rank_ends_the_engine_with_a_clear_error(tiny_v4_dirs):

@@ -23,6 +23,7 @@ from deepinfer_runtime.distributed.eplb_live import LiveEplb
 from deepinfer_runtime.distributed.messages import CPJob, ModelView, RankInfo, RequestUpdate, StepReport
 from deepinfer_runtime.distributed.sites import CollectiveSites
 from deepinfer_runtime.engine.request import Request
+from deepinfer_runtime.loader.shard import LoadShard
 
 
 @dataclass
@@ -38,18 +39,21 @@ class RankState:
 
 
 def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> RankInfo:
-    """Build this rank's engine and shard its experts. Collective (CP sub-groups are created on every rank)."""
+    """Build this rank's engine from its share of the checkpoint (``LoadShard``: its expert slots, its Engram
+    rows) and install EP and the Engram sharding over it. Collective (CP sub-groups are created on every rank)."""
     from deepinfer_runtime.llm import LLM
 
     if ctx.device.type == "cpu":  # ranks share the host's cores: oversubscribed OpenMP threads spin and crawl
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    kwargs = dict(llm_kwargs, device=str(ctx.device))
+    ep_on = config.expert_parallel_size > 1
+    shard = LoadShard(ctx.rank, ctx.world_size, ep_on, config.num_redundant_experts if ep_on else 0)
+    kwargs = dict(llm_kwargs, device=str(ctx.device), load_shard=shard)
     if ctx.rank:
         kwargs["log_stats"] = False
     llm = LLM(**kwargs)
     sites = CollectiveSites()
     ep = eplb = None
-    if config.expert_parallel_size > 1:
+    if ep_on:
         ep = install_expert_parallel(llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts)
         if config.eplb is not None:
             eplb = LiveEplb(ep, config.eplb, ctx.world_size)
@@ -68,7 +72,7 @@ def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> Ran
     ctx.state["engine"] = RankState(llm, config, sites, ep, eplb, cp_group)
     model = llm.model
     view = ModelView(model.cfg, getattr(model, "yoco_mode", "off"), model.dtype)
-    return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0)
+    return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0, model.load_stats)
 
 
 @torch.no_grad()
