@@ -198,6 +198,27 @@ def test_idle_rank_runs_its_experts_with_the_layer_clamp(tiny_v4_dirs):
     assert outs[1] is None and torch.equal(outs[0], ref)
 
 
+def test_ep_layers_through_a_fake_deep_ep_buffer(tiny_v4_dirs):
+    # the engine's DeepEP plumbing (EPExperts -> deep_ep_moe -> DeepEPDispatcher -> Buffer) against a fake of
+    # DeepEP's Buffer API; real deep_ep is not installed here. bf16 (what DeepEP takes), reduced combine: close
+    from deepinfer_parallel import WorkerGroup
+    from deepinfer_runtime.model_loader import load_model
+    from deepinfer_runtime.testing.parallel_workers import ep_forward_fake_deep_ep
+
+    path = tiny_v4_dirs["mixed"]
+    prompt = _prompts(seed=9, lengths=[12])[0]
+    with _one_thread():
+        ref = load_model(path, dtype=torch.bfloat16, device="cpu", progress=False).forward_logits(
+            torch.tensor([prompt])
+        )[0]
+    with WorkerGroup(2, backend="gloo", call_timeout_s=120) as group:
+        outs = group.call(ep_forward_fake_deep_ep, str(path), prompt)
+    for logits, calls in outs:
+        assert calls == {"get_dispatch_layout": 4, "dispatch": 4, "combine": 4}  # one per MoE layer
+        torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.1)  # wrong experts: ~5
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
 def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dirs):
     # 10 KV blocks of 16 tokens per rank. Step 1: the short prompt goes to rank 0, the first long one is CP-prefilled
     # for rank 1 (9 blocks). Step 2 (one CP job per group per step): the second long one's owner is rank 0, whose

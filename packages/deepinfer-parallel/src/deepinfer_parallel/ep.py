@@ -24,8 +24,8 @@ the result is **bitwise equal** to the single-process ``moe_experts`` whatever t
 ``combine="reduced"`` has the owner rank sum its pairs of a token first and send one row per (token, rank) in
 ``combine_dtype`` (DeepEP-like traffic: k/ranks-hit times less); the sum order then differs (not bitwise).
 
-A ``deep_ep`` adapter (``DeepEPDispatcher``) is provided for CUDA when ``import deep_ep`` works; it is
-**untested here** (no DeepEP on the CI machine).
+An optional DeepEP path (``deep_ep_adapter.py``) is chosen at run time when ``import deep_ep`` works on CUDA; it
+is tested only against a fake of DeepEP's ``Buffer`` API.
 """
 
 from __future__ import annotations
@@ -234,52 +234,3 @@ def ep_moe(
     y = expert_fn(handle.recv_x[handle.recv_row], handle.recv_slot, handle.recv_weight)
     out = ep_combine(y, handle, combine=combine)
     return out + shared_fn(x) if shared_fn is not None else out
-
-
-def deep_ep_available() -> bool:
-    """True when ``import deep_ep`` works (then ``DeepEPDispatcher`` may be used on CUDA with NCCL)."""
-    try:
-        import deep_ep  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-class DeepEPDispatcher:
-    """UNTESTED adapter to DeepEP's normal-mode (V1 ``deep_ep.Buffer``) dispatch/combine, for CUDA + NVLink.
-
-    Same role as ``ep_dispatch``/``ep_combine`` but with DeepEP's kernels; the expert side must sum each received
-    token's local pairs (DeepEP combines one row per (token, rank)), i.e. ``combine="reduced"`` semantics. Physical
-    slots are DeepEP's "experts" (``num_experts = placement.num_physical``). Written from DeepEP's README API
-    (``get_dispatch_layout`` / ``dispatch`` / ``combine``); not exercised by any test in this repository.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, hidden_bytes: int):
-        import deep_ep
-
-        self._deep_ep = deep_ep
-        config = deep_ep.Buffer.get_dispatch_config(group.size())
-        num_nvl_bytes = config.get_nvl_buffer_size_hint(hidden_bytes, group.size())
-        self.buffer = deep_ep.Buffer(group, num_nvl_bytes, 0)
-        self.group = group
-
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, placement: ExpertPlacement):
-        """Returns (recv_x [R, d], recv_local_slots [R, k] (-1 = not on this rank), recv_weights [R, k], handle)."""
-        rank = dist.get_rank(self.group)
-        phys = choose_replicas(experts, placement, rank).to(x.device)
-        n_rank, n_rdma, n_expert, in_rank, _ = self.buffer.get_dispatch_layout(phys, placement.num_physical)
-        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
-            x,
-            topk_idx=phys,
-            topk_weights=weights.float(),
-            num_tokens_per_rank=n_rank,
-            num_tokens_per_rdma_rank=n_rdma,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=n_expert,
-        )
-        return recv_x, recv_idx, recv_w, handle
-
-    def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
-        """y: [R, d] per received token, its local pairs already summed. Returns [T, d]."""
-        combined, _, _ = self.buffer.combine(y, handle)
-        return combined

@@ -10,6 +10,10 @@ Every EP call is a collective over all ranks, so each layer is a collective site
 counted, and called with zero tokens by a rank that had nothing to run). The DSpark draft stages keep their
 (small) expert stacks replicated.
 
+With a ``DeepEPDispatcher`` (``ParallelConfig.ep_backend == "deep_ep"`` and DeepEP usable, see
+``deepinfer_parallel.deep_ep_adapter``) the layer goes through ``deep_ep_moe`` instead: DeepEP's kernels, reduced
+combine (close to, not bitwise, the single-process layer).
+
 A model loaded with ``load_model(..., shard=LoadShard(...))`` already holds only this rank's slots
 (``Experts.slot_experts``): its stacks are taken as they are, after checking they are the placement's slots.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepinfer_parallel import ExpertPlacement, LoadRecorder, ep_moe, swiglu_expert_fn
+from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher, deep_ep_moe
 from torch import nn
 
 from deepinfer_runtime.distributed.sites import CollectiveSites
@@ -74,6 +79,8 @@ class EPExperts(nn.Module):
         if owner.recorder is not None:
             owner.recorder.record(self.index, experts)
         fn = swiglu_expert_fn(self.w13, self.w2, swiglu_limit=swiglu_limit)
+        if owner.dispatcher is not None:
+            return deep_ep_moe(x, experts, weights, self.placement, fn, owner.dispatcher)
         return ep_moe(x, experts, weights, self.placement, fn, owner.group)
 
     def empty_call(self) -> None:
@@ -96,11 +103,17 @@ class ExpertParallel:
         sites: the rank's collective-site tracker (counts EP calls).
         group: the EP process group (None = the default group, all ranks).
         recorder: the EPLB ``LoadRecorder`` (None when EPLB is off).
+        dispatcher: DeepEP dispatch/combine for every layer, or None (the all-to-all path, exact combine).
     """
 
-    def __init__(self, sites: CollectiveSites, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        sites: CollectiveSites,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: DeepEPDispatcher | None = None,
+    ):
         self.layers: list[EPExperts] = []
-        self.sites, self.group = sites, group
+        self.sites, self.group, self.dispatcher = sites, group, dispatcher
         self.recorder: LoadRecorder | None = None
 
     @property
@@ -118,6 +131,7 @@ def install_expert_parallel(
     sites: CollectiveSites,
     num_redundant: int = 0,
     group: dist.ProcessGroup | None = None,
+    dispatcher: DeepEPDispatcher | None = None,
 ) -> ExpertParallel:
     """Replace the routed experts of every backbone MoE layer of ``model`` (``model.layers[i].ffn.experts``) by
     this rank's share under ``default_placement(E, world, num_redundant)``; frees the other experts (a model
@@ -126,7 +140,7 @@ def install_expert_parallel(
     Raises:
         ValueError: when E + num_redundant is not a multiple of ``world`` (slots must split evenly).
     """
-    ep = ExpertParallel(sites, group)
+    ep = ExpertParallel(sites, group, dispatcher)
     for index, block in enumerate(model.layers):
         full = block.ffn.experts
         num_experts = block.ffn.gate.weight.shape[0]  # the router's width: the stacks may hold slots only

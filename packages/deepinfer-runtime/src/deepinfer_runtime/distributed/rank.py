@@ -10,6 +10,7 @@ engine step (or, with nothing to run, an empty pass through the EP collectives),
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,10 @@ def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> Ran
     sites = CollectiveSites()
     ep = eplb = None
     if ep_on:
-        ep = install_expert_parallel(llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts)
+        dispatcher = _dispatcher(ctx, llm, config)
+        ep = install_expert_parallel(
+            llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts, dispatcher=dispatcher
+        )
         if config.eplb is not None:
             eplb = LiveEplb(ep, config.eplb, ctx.world_size)
     engram = install_engram_sharding(llm.model, ctx.rank, ctx.world_size, sites)
@@ -73,6 +77,23 @@ def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> Ran
     model = llm.model
     view = ModelView(model.cfg, getattr(model, "yoco_mode", "off"), model.dtype)
     return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0, model.load_stats)
+
+
+def _dispatcher(ctx: RankContext, llm, config: ParallelConfig):
+    """A ``DeepEPDispatcher`` when ``ep_backend`` is "deep_ep" and DeepEP can run here (else None: all-to-all)."""
+    from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher, select_ep_backend
+
+    def log(message: str) -> None:  # every rank decides alike; one line is enough
+        if ctx.rank == 0:
+            print(message, file=sys.stderr)
+
+    if select_ep_backend(config.ep_backend, ctx.device.type, dist.get_backend(), log) != "deep_ep":
+        return None
+    if llm.model.dtype != torch.bfloat16:
+        log(f"[deepinfer] EP backend deep_ep needs a bfloat16 model (here {llm.model.dtype}); using all_to_all")
+        return None
+    hidden_bytes = llm.model.cfg.hidden_size * llm.model.dtype.itemsize
+    return DeepEPDispatcher(None, hidden_bytes)
 
 
 @torch.no_grad()
