@@ -29,7 +29,14 @@ def test_backend_selection_falls_back_with_a_reason(monkeypatch):
     assert "`import deep_ep` fails" in logged[-1] and "using all_to_all" in logged[-1]
     assert select_ep_backend("deep_ep", "cpu", "gloo", logged.append) == "all_to_all"
     assert "needs CUDA ranks with NCCL (here: cpu, gloo)" in logged[-1]
-    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # importable
+    v2 = types.ModuleType("deep_ep")
+    v2.__version__, v2.EPBuffer = "2.5.0", object  # DeepEP V2: EPBuffer, no Buffer
+    monkeypatch.setitem(sys.modules, "deep_ep", v2)
+    assert select_ep_backend("deep_ep", "cuda", "nccl", logged.append) == "all_to_all"
+    assert "deep_ep 2.5.0 has no V1 `Buffer`" in logged[-1]
+    v1 = types.ModuleType("deep_ep")
+    v1.Buffer = object
+    monkeypatch.setitem(sys.modules, "deep_ep", v1)
     n = len(logged)
     assert select_ep_backend("deep_ep", "cuda", "nccl", logged.append) == "deep_ep"
     assert select_ep_backend("all_to_all", "cuda", "nccl", logged.append) == "all_to_all"

@@ -55,10 +55,13 @@ def select_ep_backend(
         raise ValueError(f"EP backend must be one of {EP_BACKENDS}, got {requested!r}")
     if requested == "all_to_all":
         return requested
+    module = None if device_type != "cuda" or dist_backend != "nccl" else _import_deep_ep()
     if device_type != "cuda" or dist_backend != "nccl":
         why = f"it needs CUDA ranks with NCCL (here: {device_type}, {dist_backend})"
-    elif _import_deep_ep() is None:
+    elif module is None:
         why = "`import deep_ep` fails (DeepEP is not installed or did not build)"
+    elif not hasattr(module, "Buffer"):  # DeepEP >= 2 replaced Buffer by EPBuffer, another API
+        why = f"deep_ep {getattr(module, '__version__', '?')} has no V1 `Buffer` (this adapter speaks the V1 API)"
     else:
         return requested
     message = f"[deepinfer] EP backend deep_ep unavailable: {why}; using all_to_all"
