@@ -235,3 +235,15 @@ def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dir
         llm.shutdown()
     assert outs == ref
     assert (llm.engine.cp_prefills, llm.engine.cp_fallbacks) == (1, 1)
+
+
+def test_ep_backend_comes_from_the_environment(monkeypatch):
+    from deepinfer_runtime.distributed.config import ParallelConfig
+
+    monkeypatch.delenv("DEEPINFER_EP_BACKEND", raising=False)
+    assert ParallelConfig.create(2).ep_backend == "all_to_all"
+    monkeypatch.setenv("DEEPINFER_EP_BACKEND", "deep_ep")
+    assert ParallelConfig.create(2).ep_backend == "deep_ep"
+    monkeypatch.setenv("DEEPINFER_EP_BACKEND", "nvshmem")
+    with pytest.raises(ValueError, match="DEEPINFER_EP_BACKEND must be one of"):
+        ParallelConfig.create(2)
