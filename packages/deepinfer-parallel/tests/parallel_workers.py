@@ -102,6 +102,30 @@ def ep_vs_reference(
     return out, ref, remote
 
 
+def deep_ep_vs_reference(
+    ctx, world: int, seed: int, num_experts: int, num_redundant: int, top_k: int, d: int, tokens_per_rank: list[int]
+):
+    """deep_ep_moe through the fake DeepEP Buffer (bf16) and the single-process reference on this rank's tokens;
+    returns both outputs and the Buffer calls made."""
+    from deepinfer_parallel import fake_deep_ep
+    from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher, deep_ep_moe
+
+    member, group, rank = _member(ctx, world)
+    if not member:
+        return None
+    w13, w2, _, _, _, gate = moe_setup(seed, num_experts, d, 16)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    load = torch.linspace(10.0, 1.0, num_experts) ** 3
+    placement = rebalance_experts(load, num_experts + num_redundant, world)
+    local = placement.local_logical(rank)
+    x, experts, weights = rank_tokens(seed, rank, tokens_per_rank[rank], d, torch.bfloat16, gate, top_k)
+    dispatcher = DeepEPDispatcher(group, d * 2, deep_ep=fake_deep_ep)
+    fn = swiglu_expert_fn(w13[local], w2[local], swiglu_limit=10.0)
+    out = deep_ep_moe(x, experts, weights, placement, fn, dispatcher)
+    ref = moe_experts(x, experts, weights, w13, w2, swiglu_limit=10.0)
+    return out, ref, dict(dispatcher.buffer.calls)
+
+
 def cp_round_trip(ctx, world: int, seq_len: int, align: int, dtype: torch.dtype):
     member, group, rank = _member(ctx, world)
     if not member:

@@ -75,6 +75,11 @@ def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
         llm.shutdown()
     assert outs == ref
     engine = llm.engine
+    # each rank read only its 5 slots' experts (8 experts + 2 redundant: slot p holds expert p mod 8); EPLB
+    # then moved weights between the ranks and outputs still equal the single process
+    for stats, experts in zip(engine.load_stats, ({0, 1, 2, 3, 4}, {5, 6, 7, 0, 1}), strict=True):
+        assert stats.routed_experts() == {("layers", layer): experts for layer in range(4)}
+        assert stats.bytes_read < stats.checkpoint_bytes
     assert engine.cp_prefills == 3  # the 80-token prompt (n = 2: two requests) and the 64-token one; rest DP
     # EPLB rearranged live (requests in flight) and really moved experts
     assert engine.eplb_rearrangements >= 2 and engine.eplb_moved_slots > 0
@@ -102,6 +107,27 @@ def test_v41_dp_ep_cp_equals_single_process(world, yoco, v41_dir):
         llm.shutdown()
     assert outs == ref
     assert llm.engine.cp_prefills == 2 + world // 4
+    # per-rank loading: 16 experts split into `world` consecutive blocks, the DSpark stages' experts everywhere;
+    # the Engram rows read by all ranks together are each table exactly once
+    stats = llm.engine.load_stats
+    per = 16 // world
+    for rank, st in enumerate(stats):
+        read = st.routed_experts()
+        assert {read[k] == set(range(rank * per, (rank + 1) * per)) for k in read if k[0] == "layers"} == {True}
+        assert {frozenset(read[k]) for k in read if k[0] == "mtp"} == {frozenset(range(8))}
+    table = _whole_engram_bytes(v41_dir)
+    assert sum(st.bytes_of(contains=".engram.embed.") for st in stats) == table
+    assert all(st.bytes_of(contains=".engram.embed.") < table for st in stats)
+
+
+def _whole_engram_bytes(path):
+    from safetensors import safe_open
+
+    total = 0
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as fh:
+            total += sum(fh.get_tensor(n).nbytes for n in fh.keys() if ".engram.embed." in n)
+    return total
 
 
 def test_killed_rank_ends_the_engine_with_a_clear_error(tiny_v4_dirs):
@@ -172,6 +198,27 @@ def test_idle_rank_runs_its_experts_with_the_layer_clamp(tiny_v4_dirs):
     assert outs[1] is None and torch.equal(outs[0], ref)
 
 
+def test_ep_layers_through_a_fake_deep_ep_buffer(tiny_v4_dirs):
+    # the engine's DeepEP plumbing (EPExperts -> deep_ep_moe -> DeepEPDispatcher -> Buffer) against a fake of
+    # DeepEP's Buffer API; real deep_ep is not installed here. bf16 (what DeepEP takes), reduced combine: close
+    from deepinfer_parallel import WorkerGroup
+    from deepinfer_runtime.model_loader import load_model
+    from deepinfer_runtime.testing.parallel_workers import ep_forward_fake_deep_ep
+
+    path = tiny_v4_dirs["mixed"]
+    prompt = _prompts(seed=9, lengths=[12])[0]
+    with _one_thread():
+        ref = load_model(path, dtype=torch.bfloat16, device="cpu", progress=False).forward_logits(
+            torch.tensor([prompt])
+        )[0]
+    with WorkerGroup(2, backend="gloo", call_timeout_s=120) as group:
+        outs = group.call(ep_forward_fake_deep_ep, str(path), prompt)
+    for logits, calls in outs:
+        assert calls == {"get_dispatch_layout": 4, "dispatch": 4, "combine": 4}  # one per MoE layer
+        torch.testing.assert_close(logits.float(), ref.float(), rtol=0.05, atol=0.1)  # wrong experts: ~5
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
 def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dirs):
     # 10 KV blocks of 16 tokens per rank. Step 1: the short prompt goes to rank 0, the first long one is CP-prefilled
     # for rank 1 (9 blocks). Step 2 (one CP job per group per step): the second long one's owner is rank 0, whose
@@ -188,3 +235,15 @@ def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dir
         llm.shutdown()
     assert outs == ref
     assert (llm.engine.cp_prefills, llm.engine.cp_fallbacks) == (1, 1)
+
+
+def test_ep_backend_comes_from_the_environment(monkeypatch):
+    from deepinfer_runtime.distributed.config import ParallelConfig
+
+    monkeypatch.delenv("DEEPINFER_EP_BACKEND", raising=False)
+    assert ParallelConfig.create(2).ep_backend == "all_to_all"
+    monkeypatch.setenv("DEEPINFER_EP_BACKEND", "deep_ep")
+    assert ParallelConfig.create(2).ep_backend == "deep_ep"
+    monkeypatch.setenv("DEEPINFER_EP_BACKEND", "nvshmem")
+    with pytest.raises(ValueError, match="DEEPINFER_EP_BACKEND must be one of"):
+        ParallelConfig.create(2)

@@ -8,6 +8,7 @@ import torch
 from deepinfer_kernels import fp8_block_dequantize, mxfp4_dequantize
 from deepinfer_kernels.testing.compare import assert_rel_close
 from deepinfer_runtime import CheckpointError, ConfigError, load_model
+from deepinfer_runtime.loader.shard import LoadShard
 from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -80,9 +81,24 @@ def test_single_file_checkpoint_and_bf16(tmp_path):
     assert b.dtype == torch.float32 and (b.argmax(-1) == a.argmax(-1)).float().mean() > 0.5
 
 
-def test_bad_directories_give_clear_errors(tmp_path):
+def _drop_tensor(d, name, replacement=None):
+    """Remove ``name`` from the checkpoint ``d`` (and put ``replacement`` = (name, tensor) in its shard)."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop(name)
+    with safe_open(d / shard, "pt") as fh:
+        kept = {k: fh.get_tensor(k) for k in fh.keys() if k != name}
+    if replacement is not None:
+        kept[replacement[0]] = replacement[1]
+        index["weight_map"][replacement[0]] = shard
+    save_file(kept, str(d / shard))
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+# a rank's loader (rank 1 of 2 holds experts 4..7) reports a broken checkpoint exactly as the whole-model loader
+@pytest.mark.parametrize("shard", [None, LoadShard(1, 2)], ids=["whole", "rank_share"])
+def test_bad_directories_give_clear_errors(tmp_path, shard):
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_model(tmp_path / "nope")
+        load_model(tmp_path / "nope", shard=shard)
     good = write_tiny_checkpoint(tmp_path / "good", "v4", "none", seed=6)
 
     def variant(name):
@@ -93,38 +109,35 @@ def test_bad_directories_give_clear_errors(tmp_path):
     d = variant("missing_shard")
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing"):
-        load_model(d, progress=False)
+        load_model(d, progress=False, shard=shard)
 
     d = variant("corrupt_shard")
     (d / "model-00001-of-00002.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(CheckpointError, match="cannot read"):
-        load_model(d, progress=False)
+        load_model(d, progress=False, shard=shard)
 
     d = variant("missing_tensor")
-    index = json.loads((d / "model.safetensors.index.json").read_text())
-    shard = index["weight_map"]["layers.1.attn.wq_a.weight"]
-    with safe_open(d / shard, "pt") as fh:
-        kept = {k: fh.get_tensor(k) for k in fh.keys() if k != "layers.1.attn.wq_a.weight"}
-    kept["layers.1.attn.bogus.weight"] = torch.zeros(2)
-    save_file(kept, str(d / shard))
-    del index["weight_map"]["layers.1.attn.wq_a.weight"]
-    index["weight_map"]["layers.1.attn.bogus.weight"] = shard
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _drop_tensor(d, "layers.1.attn.wq_a.weight", ("layers.1.attn.bogus.weight", torch.zeros(2)))
     with pytest.raises(CheckpointError, match=r"missing tensor.*wq_a.*unexpected tensor.*bogus"):
-        load_model(d, progress=False)
+        load_model(d, progress=False, shard=shard)
+
+    d = variant("missing_expert")  # an expert rank 1 does not hold: still a broken checkpoint
+    _drop_tensor(d, "layers.0.ffn.experts.0.w2.weight")
+    with pytest.raises(CheckpointError, match=r"missing tensor.*experts\.0\.w2"):
+        load_model(d, progress=False, shard=shard)
 
     d = variant("bad_config")
     cfg = json.loads((d / "config.json").read_text())
     cfg["hidden_size"] = 128
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="shape"):
-        load_model(d, progress=False)
+        load_model(d, progress=False, shard=shard)
     cfg["mystery_knob"] = 1
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="mystery_knob"):
-        load_model(d, progress=False)
+        load_model(d, progress=False, shard=shard)
     with pytest.raises(ValueError, match="dtype"):
-        load_model(good, dtype="int8")
+        load_model(good, dtype="int8", shard=shard)
 
 
 def test_forward_logits_rejects_bad_ids(tmp_path):

@@ -24,8 +24,8 @@ the result is **bitwise equal** to the single-process ``moe_experts`` whatever t
 ``combine="reduced"`` has the owner rank sum its pairs of a token first and send one row per (token, rank) in
 ``combine_dtype`` (DeepEP-like traffic: k/ranks-hit times less); the sum order then differs (not bitwise).
 
-A ``deep_ep`` adapter (``DeepEPDispatcher``) is provided for CUDA when ``import deep_ep`` works; it is
-**untested here** (no DeepEP on the CI machine).
+An optional DeepEP path (``deep_ep_adapter.py``) is chosen at run time when ``import deep_ep`` works on CUDA; it
+is tested only against a fake of DeepEP's ``Buffer`` API.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class DispatchHandle:
     num_tokens: int
     top_k: int
     dtype: torch.dtype
-    send_tok: torch.Tensor  # [R_send] token of each sent row
+    send_tok: torch.Tensor  # [R_send] token of each sent row (x's device, as every tensor here)
     send_pairs: list[int]
     recv_pairs: list[int]
     send_rows: list[int]
@@ -88,11 +88,13 @@ class DispatchHandle:
 
 
 def choose_replicas(experts: torch.Tensor, placement: ExpertPlacement, rank: int) -> torch.Tensor:
-    """[T, k] physical slot of each pair: replica ``(t + rank) % logcnt[e]`` of its logical expert e."""
-    experts = experts.long().cpu()
-    t = torch.arange(experts.shape[0])[:, None]
-    replica = (t + rank) % placement.logcnt[experts]
-    return placement.log2phy[experts, replica]
+    """[T, k] physical slot of each pair: replica ``(t + rank) % logcnt[e]`` of its logical expert e (on
+    ``experts``' device; ids must be valid)."""
+    log2phy, logcnt = placement.tables_on(experts.device)
+    experts = experts.long()
+    t = torch.arange(experts.shape[0], device=experts.device)[:, None]
+    replica = (t + rank) % logcnt[experts]
+    return log2phy[experts, replica]
 
 
 def ep_dispatch(
@@ -103,6 +105,9 @@ def ep_dispatch(
     group: dist.ProcessGroup | None = None,
 ) -> DispatchHandle:
     """Send every (token, expert) pair to the rank holding its chosen replica (collective over ``group``).
+
+    The layout (replicas, destination ranks, row and pair order) is computed on ``x``'s device; the host waits
+    once per dispatch, for the split sizes the all-to-alls need (``.tolist()`` after the counts exchange).
 
     Args:
         x: [T, d] tokens of this rank (any dtype; T may be 0). CPU for gloo, CUDA for nccl.
@@ -120,53 +125,59 @@ def ep_dispatch(
         )
     dev = x.device
     num_tokens, top_k = experts.shape
-    flat_experts = experts.reshape(-1).long().cpu()
-    if flat_experts.numel() and (int(flat_experts.min()) < 0 or int(flat_experts.max()) >= placement.num_logical):
-        raise ValueError(f"ep_dispatch: expert ids must be in [0, {placement.num_logical})")
-    phys = choose_replicas(experts, placement, rank).reshape(-1)  # [T*k]
+    ids = experts.to(dev).long()
+    bad = ((ids < 0) | (ids >= placement.num_logical)).any()
+    ids = ids.clamp(0, placement.num_logical - 1)  # reported after the host sync below; never index with a bad id
+    phys = choose_replicas(ids, placement, rank).reshape(-1)  # [T*k]
     dst = phys // placement.slots_per_rank
     local_slot = phys % placement.slots_per_rank
 
     # rows: each token once per destination rank, ascending token within a rank block
-    hit = torch.zeros(num_tokens, world, dtype=torch.bool)
-    tok_of_pair = torch.arange(num_tokens * top_k) // top_k
+    hit = torch.zeros(num_tokens, world, dtype=torch.bool, device=dev)
+    tok_of_pair = torch.arange(num_tokens * top_k, device=dev) // top_k
     hit[tok_of_pair, dst] = True
-    send_rows = hit.sum(0).tolist()
-    send_tok = hit.t().nonzero()[:, 1]  # rank-major, then token
     row_in_block = torch.cumsum(hit.long(), 0) - 1  # [T, W]
     # pairs: rank-major, then (token, slot)
     order = torch.sort(dst, stable=True).indices
-    send_pairs = torch.bincount(dst, minlength=world).tolist()
     meta = torch.stack(
         [
             row_in_block[tok_of_pair, dst][order],
             local_slot[order],
-            weights.reshape(-1).float().cpu().view(torch.int32).long()[order],
+            weights.to(dev).reshape(-1).float().view(torch.int32).long()[order],
         ],
         dim=1,
     )
+    pairs_per_rank = torch.zeros(world, dtype=torch.int64, device=dev).scatter_add_(0, dst, torch.ones_like(dst))
+    counts = torch.stack([hit.sum(0), pairs_per_rank], dim=1)  # [W, 2] rows, pairs to each rank
+    recv_counts = all_to_all_rows(counts, [1] * world, [1] * world, group)
+    host = torch.cat([counts.reshape(-1), recv_counts.reshape(-1), bad.reshape(1).long()]).tolist()  # the sync
+    if host[-1]:
+        raise ValueError(f"ep_dispatch: expert ids must be in [0, {placement.num_logical})")
+    send_rows, send_pairs = host[0 : 2 * world : 2], host[1 : 2 * world : 2]
+    recv_rows, recv_pairs = host[2 * world : 4 * world : 2], host[2 * world + 1 : 4 * world : 2]
 
-    counts = torch.tensor([send_rows, send_pairs], dtype=torch.int64).t().contiguous()  # [W, 2]
-    recv_counts = all_to_all_rows(counts.to(dev), [1] * world, [1] * world, group).cpu()
-    recv_rows, recv_pairs = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
-
-    recv_x = all_to_all_rows(x[send_tok.to(dev)], send_rows, recv_rows, group)
-    recv_meta = all_to_all_rows(meta.to(dev), send_pairs, recv_pairs, group).cpu()
-    row_offset = torch.cumsum(torch.tensor([0] + recv_rows[:-1]), 0)
-    src_of_pair = torch.repeat_interleave(torch.arange(world), torch.tensor(recv_pairs))
+    # hit rows rank-major, then token: a stable sort puts the (rank, token) entries that are set first, in order
+    first_set = torch.sort((~hit.t().reshape(-1)).to(torch.uint8), stable=True).indices
+    send_tok = first_set[: sum(send_rows)] % max(num_tokens, 1)
+    recv_x = all_to_all_rows(x[send_tok], send_rows, recv_rows, group)
+    recv_meta = all_to_all_rows(meta, send_pairs, recv_pairs, group)
+    row_offset = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
+    src_of_pair = torch.repeat_interleave(
+        torch.arange(world, device=dev), recv_counts[:, 1], output_size=sum(recv_pairs)
+    )
     recv_row = recv_meta[:, 0] + row_offset[src_of_pair]
     recv_weight = recv_meta[:, 2].to(torch.int32).view(torch.float32)
 
     # where the exact combine finds pair (t, j-th expert of t in ascending id order) among the returned rows
-    sorted_cols = torch.sort(experts.long().cpu(), dim=1, stable=True).indices
+    sorted_cols = torch.sort(ids, dim=1, stable=True).indices
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel())
-    combine_index = position[torch.arange(num_tokens)[:, None] * top_k + sorted_cols]
+    position[order] = torch.arange(order.numel(), device=dev)
+    combine_index = position[torch.arange(num_tokens, device=dev)[:, None] * top_k + sorted_cols]
     return DispatchHandle(
         recv_x=recv_x,
-        recv_slot=recv_meta[:, 1].to(dev),
-        recv_weight=recv_weight.to(dev),
-        recv_row=recv_row.to(dev),
+        recv_slot=recv_meta[:, 1],
+        recv_weight=recv_weight,
+        recv_row=recv_row,
         num_tokens=num_tokens,
         top_k=top_k,
         dtype=x.dtype,
@@ -200,7 +211,7 @@ def ep_combine(
         raise ValueError(f"ep_combine: y has {y.shape[0]} rows, {handle.recv_slot.shape[0]} pairs were received")
     if combine == "exact":
         back = all_to_all_rows(y.float(), handle.recv_pairs, handle.send_pairs, group)  # [T*k, d] in send order
-        ordered = back[handle.combine_index.to(dev).reshape(-1)].view(t, k, d)  # per token, ascending expert
+        ordered = back[handle.combine_index.reshape(-1)].view(t, k, d)  # per token, ascending expert
         out = torch.zeros((t, d), dtype=torch.float32, device=dev)
         for j in range(k):  # the reference's order: one add per token per expert, starting from zero
             out += ordered[:, j]
@@ -211,7 +222,7 @@ def ep_combine(
         rows.index_add_(0, handle.recv_row, y.float())
         back = all_to_all_rows(rows.to(wire_dtype), handle.recv_rows, handle.send_rows, group)
         out = torch.zeros((t, d), dtype=torch.float32, device=dev)
-        out.index_add_(0, handle.send_tok.to(dev), back.float())
+        out.index_add_(0, handle.send_tok, back.float())
         return out.to(handle.dtype)
     raise ValueError(f"ep_combine: combine must be 'exact' or 'reduced', got {combine!r}")
 
@@ -234,52 +245,3 @@ def ep_moe(
     y = expert_fn(handle.recv_x[handle.recv_row], handle.recv_slot, handle.recv_weight)
     out = ep_combine(y, handle, combine=combine)
     return out + shared_fn(x) if shared_fn is not None else out
-
-
-def deep_ep_available() -> bool:
-    """True when ``import deep_ep`` works (then ``DeepEPDispatcher`` may be used on CUDA with NCCL)."""
-    try:
-        import deep_ep  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-class DeepEPDispatcher:
-    """UNTESTED adapter to DeepEP's normal-mode (V1 ``deep_ep.Buffer``) dispatch/combine, for CUDA + NVLink.
-
-    Same role as ``ep_dispatch``/``ep_combine`` but with DeepEP's kernels; the expert side must sum each received
-    token's local pairs (DeepEP combines one row per (token, rank)), i.e. ``combine="reduced"`` semantics. Physical
-    slots are DeepEP's "experts" (``num_experts = placement.num_physical``). Written from DeepEP's README API
-    (``get_dispatch_layout`` / ``dispatch`` / ``combine``); not exercised by any test in this repository.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, hidden_bytes: int):
-        import deep_ep
-
-        self._deep_ep = deep_ep
-        config = deep_ep.Buffer.get_dispatch_config(group.size())
-        num_nvl_bytes = config.get_nvl_buffer_size_hint(hidden_bytes, group.size())
-        self.buffer = deep_ep.Buffer(group, num_nvl_bytes, 0)
-        self.group = group
-
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, placement: ExpertPlacement):
-        """Returns (recv_x [R, d], recv_local_slots [R, k] (-1 = not on this rank), recv_weights [R, k], handle)."""
-        rank = dist.get_rank(self.group)
-        phys = choose_replicas(experts, placement, rank).to(x.device)
-        n_rank, n_rdma, n_expert, in_rank, _ = self.buffer.get_dispatch_layout(phys, placement.num_physical)
-        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
-            x,
-            topk_idx=phys,
-            topk_weights=weights.float(),
-            num_tokens_per_rank=n_rank,
-            num_tokens_per_rdma_rank=n_rdma,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=n_expert,
-        )
-        return recv_x, recv_idx, recv_w, handle
-
-    def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
-        """y: [R, d] per received token, its local pairs already summed. Returns [T, d]."""
-        combined, _, _ = self.buffer.combine(y, handle)
-        return combined

@@ -33,6 +33,7 @@ class ExpertPlacement:
     num_ranks: int
     log2phy: torch.Tensor = field(init=False, repr=False)
     logcnt: torch.Tensor = field(init=False, repr=False)
+    _on_device: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         phy2log = torch.as_tensor(self.phy2log, dtype=torch.int64).cpu().contiguous()
@@ -55,6 +56,14 @@ class ExpertPlacement:
         object.__setattr__(self, "phy2log", phy2log)
         object.__setattr__(self, "log2phy", log2phy)
         object.__setattr__(self, "logcnt", logcnt)
+
+    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log2phy, logcnt)`` on ``device``, copied once per device (a per-call host-to-device copy of a
+        pageable tensor would make every dispatch wait for the GPU)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (self.log2phy.to(device), self.logcnt.to(device))
+        return self._on_device[key]
 
     @property
     def num_physical(self) -> int:

@@ -92,6 +92,8 @@ class LLM:
         enable_eplb / eplb_window_size / eplb_step_interval / num_redundant_experts: expert-parallel load
             balancing (live rearrangement every ``eplb_step_interval`` steps from the loads of the last
             ``eplb_window_size``; None: ``DEEPINFER_EPLB_*``, else 1000 / 3000 / 0 redundant slots per layer).
+        load_shard: internal (set by the ranks of a multi-process engine): load only this rank's part of the
+            checkpoint (``deepinfer_runtime.loader.shard.LoadShard``).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class LLM:
         eplb_window_size: int | None = None,
         eplb_step_interval: int | None = None,
         num_redundant_experts: int | None = None,
+        load_shard=None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -191,7 +194,7 @@ class LLM:
             arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
         if spec_config is not None and spec_config.method == "mtp":
             arch_opts["mtp"] = True  # V4's MTP layer is loaded only to draft with it
-        self.model = load_model(path, dtype=dtype, device=self.device, **arch_opts)
+        self.model = load_model(path, dtype=dtype, device=self.device, shard=load_shard, **arch_opts)
         self.tokenizer = Tokenizer(path)
         cfg = self.model.cfg
         limit = min(cfg.max_position_embeddings, 32768)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import resource
+import time
 from pathlib import Path
 
 import torch
 
 from deepinfer_runtime.errors import CheckpointError, ConfigError
 from deepinfer_runtime.loader.safetensors_dir import SafetensorsDir
+from deepinfer_runtime.loader.shard import LoadShard, LoadStats
 from deepinfer_runtime.loader.weights import load_weights
 
 _DTYPES = {
@@ -37,6 +40,7 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     mtp: bool = False,
+    shard: LoadShard | None = None,
     **v41_options,
 ) -> torch.nn.Module:
     """Load the model in ``path`` (config.json + safetensors) with weights dequantised to ``dtype``.
@@ -46,7 +50,12 @@ def load_model(
     KV quantisers; False makes them the identity), ``yoco_mode`` (off | mask | compact), ``yoco_keep_tokens``,
     ``engram_device`` (where the Engram tables live). V4 option: ``mtp`` also loads the MTP layers ``mtp.*`` (the
     drafter of speculative method "mtp"; V4.1 has none: its draft head is DSpark, always loaded).
+
+    ``shard``: read only one rank's part of the checkpoint (its routed-expert slots, its Engram rows; see
+    ``loader/shard.py``); the model then holds that part only and is meant for ``deepinfer_runtime.distributed``.
+    ``model.load_stats`` (``LoadStats``) says what was read.
     """
+    start = time.perf_counter()
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -73,19 +82,53 @@ def load_model(
                 "method 'mtp'"
             )
         ckpt = SafetensorsDir(path)
-        model = DeepseekV4ForCausalLM(cfg, dtype=dtype, mtp=mtp)
+        model, local = _build(lambda: DeepseekV4ForCausalLM(cfg, dtype=dtype, mtp=mtp), shard, cfg.n_routed_experts)
         # the MTP layers (mtp.*) serve speculative decoding only: loaded when asked for
         inventory = v4_inventory(cfg) + (v4_mtp_inventory(cfg) if mtp else [])
         ignore = () if mtp else ("mtp.",)
-        load_weights(model, inventory, ckpt, cfg.quant, model_param_for, ignore_prefixes=ignore, progress=progress)
-        return model.to(device).eval()
+        load_weights(
+            model,
+            inventory,
+            ckpt,
+            cfg.quant,
+            model_param_for,
+            ignore_prefixes=ignore,
+            progress=progress,
+            local_experts=local,
+        )
+        return _finish(model.to(device).eval(), ckpt, start)
     if arch == "DeepseekV41ForCausalLM":
         if mtp:
             raise ValueError("DeepSeek-V4.1 has no MTP layer: its draft head is DSpark (speculative method 'dspark')")
-        return _load_v41(path, dtype, device, progress, **v41_options)
+        model, ckpt = _load_v41(path, dtype, device, progress, shard, **v41_options)
+        return _finish(model, ckpt, start)
     raise ConfigError(
         f"{config_file}: architecture {arch!r} is not supported (have: DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)"
     )
+
+
+def _build(make_model, shard: LoadShard | None, num_experts: int) -> tuple[torch.nn.Module, list[int] | None]:
+    """``make_model()``, with a shard: its backbone expert stacks sized to the rank's slots (never the whole
+    model's). Returns the model and the rank's logical expert per local slot (None: every expert)."""
+    from deepinfer_runtime.models.layers import Experts, deferred_experts
+
+    local = None if shard is None else shard.local_experts(num_experts)
+    if local is None:
+        return make_model(), None
+    with deferred_experts():
+        model = make_model()
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):  # the DSpark stages (mtp.*) keep every expert
+            module.allocate_(local if name.startswith("layers.") else None)
+    return model, local
+
+
+def _finish(model: torch.nn.Module, ckpt: SafetensorsDir, start: float) -> torch.nn.Module:
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    model.load_stats = LoadStats(
+        ckpt.bytes_read, ckpt.file_bytes(), dict(ckpt.read_log), time.perf_counter() - start, peak_kib * 1024
+    )
+    return model
 
 
 def _load_v41(
@@ -93,17 +136,19 @@ def _load_v41(
     dtype: torch.dtype,
     device,
     progress: bool,
+    shard: LoadShard | None,
     fake_quant: bool = True,
     yoco_mode: str | None = None,
     yoco_keep_tokens: int | None = None,
     engram_device: str | None = None,
 ):
     """V4.1: decode every tensor except the Engram tables, which keep their stored format on
-    ``engram_device`` (default: host memory when the model goes to an accelerator, else the model device)."""
+    ``engram_device`` (default: host memory when the model goes to an accelerator, else the model device).
+    Returns the model and the checkpoint it was read from."""
     from deepinfer_kernels.ops.engram import compressed_token_map
     from tqdm import tqdm
 
-    from deepinfer_runtime.loader.weights import check_inventory, decode_tensor, load_engram_table
+    from deepinfer_runtime.loader.weights import check_inventory, load_engram_table, load_tensor
     from deepinfer_runtime.models.deepseek_v4_weights import model_param_for
     from deepinfer_runtime.models.deepseek_v41 import DeepseekV41ForCausalLM
     from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
@@ -117,34 +162,36 @@ def _load_v41(
     inventory = v41_inventory(cfg)
     # vision weights may be absent from text-only checkpoints; image inputs are refused by the model
     check_inventory(inventory, ckpt, ignore_prefixes=("vision.", "aligner.", "image_"))
-    model = DeepseekV41ForCausalLM(
-        cfg, dtype=dtype, fake_quant=fake_quant, yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens
+    model, local = _build(
+        lambda: DeepseekV41ForCausalLM(
+            cfg, dtype=dtype, fake_quant=fake_quant, yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens
+        ),
+        shard,
+        cfg.n_routed_experts,
     )
     params = dict(model.named_parameters())
     table_device = torch.device(engram_device or ("cpu" if torch.device(device).type != "cpu" else device))
     for spec in tqdm(inventory, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         if spec.role == ENGRAM_TABLE:
-            rows, scale = load_engram_table(spec, ckpt, cfg.quant)
+            row_range = None if shard is None else shard.engram_rows(spec.shape[0])
+            rows, scale = load_engram_table(spec, ckpt, cfg.quant, row_range)
             if table_device.type == "cpu" and torch.cuda.is_available():
                 rows = rows.pin_memory()
                 scale = scale.pin_memory() if scale is not None else None
             module = model.get_submodule(spec.name.rsplit(".", 2)[0])  # layers.L.engram
-            module.set_table(rows.to(table_device), None if scale is None else scale.to(table_device))
+            module.set_table(
+                rows.to(table_device),
+                None if scale is None else scale.to(table_device),
+                None if row_range is None else (*row_range, spec.shape[0]),
+            )
             continue
-        target_name, expert, half = model_param_for(spec.name)
-        target = params[target_name]
-        value = decode_tensor(spec, ckpt, cfg.quant, target.dtype)
-        if expert is not None:
-            target = target[expert]
-            if half is not None:
-                target = target[half * value.shape[0] : (half + 1) * value.shape[0]]
-        target.copy_(value)
+        load_tensor(spec, ckpt, cfg.quant, params, model_param_for, local)
     token_map = compressed_token_map(tokenizer, expected_size=cfg.engram_compressed_vocab_size)
     if token_map.shape[0] != cfg.vocab_size:
         raise CheckpointError(f"{tokenizer}: {token_map.shape[0]} token ids, config vocab_size {cfg.vocab_size}")
     model.engram_token_map.copy_(token_map)
-    engram_tables = {n: (m.rows, m.scale) for n, m in model.named_modules() if hasattr(m, "set_table")}
+    tables = {n: (m.rows, m.scale, m.row_range) for n, m in model.named_modules() if hasattr(m, "set_table")}
     model = model.to(device).eval()
-    for name, (rows, scale) in engram_tables.items():  # .to(device) must not move the tables
-        model.get_submodule(name).set_table(rows, scale)
-    return model
+    for name, table in tables.items():  # .to(device) must not move the tables
+        model.get_submodule(name).set_table(*table)
+    return model, ckpt

@@ -8,9 +8,11 @@ KV pools); the MoE layers of all ranks form one expert-parallel group; consecuti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from deepinfer_parallel import EplbConfig
+from deepinfer_parallel.deep_ep_adapter import EP_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class ParallelConfig:
         num_redundant_experts: physical expert slots per MoE layer beyond the E logical experts (EP only).
         cp_min_tokens: prompts of at least this many tokens are prefilled with CP (when CP is on).
         step_timeout_s: a rank that does not finish one engine step in this time is reported as hung.
+        ep_backend: "all_to_all" (default: exact combine, bitwise the single process) or "deep_ep" (DeepEP's
+            kernels when usable on the ranks, else all_to_all with a log line); ``DEEPINFER_EP_BACKEND``.
     """
 
     data_parallel_size: int = 1
@@ -36,6 +40,7 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     cp_min_tokens: int = 2048
     step_timeout_s: float = 300.0
+    ep_backend: str = "all_to_all"
 
     @property
     def world_size(self) -> int:
@@ -99,6 +104,9 @@ class ParallelConfig:
         eplb = EplbConfig.from_env(eplb_window_size, eplb_step_interval, num_redundant_experts)
         if cp_min_tokens is not None and (not isinstance(cp_min_tokens, int) or cp_min_tokens < 2):
             raise ValueError(f"context_parallel_min_tokens must be an int >= 2, got {cp_min_tokens!r}")
+        ep_backend = os.environ.get("DEEPINFER_EP_BACKEND") or "all_to_all"
+        if ep_backend not in EP_BACKENDS:
+            raise ValueError(f"DEEPINFER_EP_BACKEND must be one of {EP_BACKENDS}, got {ep_backend!r}")
         return cls(
             data_parallel_size=data_parallel_size,
             expert_parallel_size=expert_parallel_size,
@@ -108,4 +116,5 @@ class ParallelConfig:
             num_redundant_experts=eplb.num_redundant_experts if expert_parallel_size > 1 else 0,
             cp_min_tokens=cp_min_tokens if cp_min_tokens is not None else cls.cp_min_tokens,
             step_timeout_s=step_timeout_s,
+            ep_backend=ep_backend,
         )

@@ -23,6 +23,7 @@ from deepinfer_runtime.distributed.config import ParallelConfig
 from deepinfer_runtime.distributed.messages import CPJob, RankInfo
 from deepinfer_runtime.distributed.rank import init_rank, rank_placements, rank_step
 from deepinfer_runtime.engine.request import Request
+from deepinfer_runtime.loader.shard import LoadStats, expert_placement
 
 
 class ParallelEngine:
@@ -33,10 +34,13 @@ class ParallelEngine:
         eplb_rearrangements / eplb_moved_slots: EPLB totals reported by the ranks.
         cp_prefills: requests prefilled with context parallelism.
         cp_fallbacks: CP requests whose owner had no free KV blocks; they were prefilled the ordinary way.
+        load_stats: per rank, what its loader read from the checkpoint (``LoadStats``).
     """
 
-    def __init__(self, group: WorkerGroup, config: ParallelConfig, info: RankInfo):
+    def __init__(self, group: WorkerGroup, config: ParallelConfig, infos: list[RankInfo]):
+        info = infos[0]
         self.group, self.config, self.info = group, config, info
+        self.load_stats: list[LoadStats] = [i.load for i in infos]
         self.balancer = DPBalancer(config.world_size)
         self._live: dict[str, Request] = {}
         self._new: list[Request] = []
@@ -123,12 +127,8 @@ def _check_expert_split(path: Path, config: ParallelConfig) -> None:
     except (OSError, ValueError):
         return  # the ranks' loader reports a broken checkpoint with its own error
     experts = raw.get("text_config", raw).get("n_routed_experts")
-    if isinstance(experts, int) and (experts + config.num_redundant_experts) % config.expert_parallel_size:
-        raise ValueError(
-            f"expert parallel: {experts} routed experts + {config.num_redundant_experts} redundant slots do not "
-            f"split over {config.expert_parallel_size} ranks; choose num_redundant_experts so that the sum is a "
-            f"multiple of {config.expert_parallel_size}"
-        )
+    if isinstance(experts, int):
+        expert_placement(experts, config.expert_parallel_size, config.num_redundant_experts)  # raises ValueError
 
 
 def start_parallel(llm, path: Path, llm_kwargs: dict, config: ParallelConfig) -> None:
@@ -154,7 +154,7 @@ def start_parallel(llm, path: Path, llm_kwargs: dict, config: ParallelConfig) ->
     llm.model_path, llm.tokenizer, llm.model = path, tokenizer, info.model
     llm.max_model_len, llm.budget, llm.eos = info.max_model_len, info.budget, info.eos
     llm.prefix_cache = None  # per rank
-    llm.engine = ParallelEngine(group, config, info)
+    llm.engine = ParallelEngine(group, config, infos)
     if llm_kwargs.get("log_stats", True):
         print(
             f"[deepinfer] {config.world_size} ranks ({config.backend}): attention DP {config.data_parallel_size}, "

@@ -6,6 +6,9 @@ rows + UE8M0 scales, or bf16), where the model keeps tables (host memory next to
 rows, and only the gathered rows are dequantised, exactly as ``Engram.gather`` does with the whole table, so the
 values are bitwise the same. Each Engram layer becomes a collective site (``sites.py``).
 
+A model loaded with ``load_model(..., shard=LoadShard(...))`` read only this rank's rows (``Engram.row_range``):
+they are taken as they are, after checking the range is this rank's.
+
 The embedding and the LM head stay replicated on every rank (the default of ``placement.md``: 2 x 1.23 GiB per
 rank and no collective on the critical path).
 """
@@ -29,14 +32,21 @@ class ShardedEngramGather:
     """
 
     def __init__(self, engram, rank: int, world: int, sites: CollectiveSites, comm_device: torch.device):
-        sharding = RowSharding(engram.rows.shape[0], world)
+        loaded = engram.row_range
+        self.num_rows = engram.rows.shape[0] if loaded is None else loaded[2]
+        sharding = RowSharding(self.num_rows, world)
         lo, hi = sharding.start(rank), sharding.stop(rank)
-        self.num_rows = engram.rows.shape[0]
-        self.rows = engram.rows[lo:hi].clone()
-        self.scale = None if engram.scale is None else engram.scale[lo:hi].clone()
+        if loaded is None:
+            self.rows = engram.rows[lo:hi].clone()
+            self.scale = None if engram.scale is None else engram.scale[lo:hi].clone()
+        elif loaded[:2] != (lo, hi):
+            raise ValueError(f"Engram sharding: rank {rank} loaded rows {loaded[:2]}, its shard is {(lo, hi)}")
+        else:  # loaded per rank: the module holds this rank's rows already
+            self.rows, self.scale = engram.rows, engram.scale
         self.width = engram.rows.shape[1]
         self.sites, self.comm_device = sites, comm_device
-        engram.set_table(self.rows, self.scale)  # the module keeps only the shard (the full table is freed)
+        # the module keeps only the shard (a full table is freed)
+        engram.set_table(self.rows, self.scale, (lo, hi, self.num_rows))
         engram.gather = self  # instance attribute: Engram.forward calls self.gather(...)
 
     def __call__(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,16 +9,25 @@ signature). Exact combine + row-invariant experts make the result bitwise equal 
 Every EP call is a collective over all ranks, so each layer is a collective site (``sites.CollectiveSites``:
 counted, and called with zero tokens by a rank that had nothing to run). The DSpark draft stages keep their
 (small) expert stacks replicated.
+
+With a ``DeepEPDispatcher`` (``ParallelConfig.ep_backend == "deep_ep"`` and DeepEP usable, see
+``deepinfer_parallel.deep_ep_adapter``) the layer goes through ``deep_ep_moe`` instead: DeepEP's kernels, reduced
+combine (close to, not bitwise, the single-process layer).
+
+A model loaded with ``load_model(..., shard=LoadShard(...))`` already holds only this rank's slots
+(``Experts.slot_experts``): its stacks are taken as they are, after checking they are the placement's slots.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from deepinfer_parallel import ExpertPlacement, LoadRecorder, default_placement, ep_moe, swiglu_expert_fn
+from deepinfer_parallel import ExpertPlacement, LoadRecorder, ep_moe, swiglu_expert_fn
+from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher, deep_ep_moe
 from torch import nn
 
 from deepinfer_runtime.distributed.sites import CollectiveSites
+from deepinfer_runtime.loader.shard import expert_placement
 from deepinfer_runtime.models.layers import Experts
 
 
@@ -43,9 +52,19 @@ class EPExperts(nn.Module):
         super().__init__()
         # an empty call still runs this rank's experts on the tokens other ranks send it: it needs the layer's clamp
         self.swiglu_limit = swiglu_limit
-        local = placement.local_logical(rank).to(full.w13.device)
-        self.register_buffer("w13", full.w13.data[local].clone(), persistent=False)
-        self.register_buffer("w2", full.w2.data[local].clone(), persistent=False)
+        local = placement.local_logical(rank)
+        if full.slot_experts is not None:  # loaded per rank: the stacks are this rank's slots already
+            if list(full.slot_experts) != local.tolist():
+                raise ValueError(
+                    f"EPExperts: the loaded slots hold experts {list(full.slot_experts)}, rank {rank}'s placement "
+                    f"wants {local.tolist()}"
+                )
+            w13, w2 = full.w13.data, full.w2.data
+        else:
+            index = local.to(full.w13.device)
+            w13, w2 = full.w13.data[index].clone(), full.w2.data[index].clone()
+        self.register_buffer("w13", w13, persistent=False)
+        self.register_buffer("w2", w2, persistent=False)
         self.placement, self.rank, self.index = placement, rank, index
         self._owner = (owner,)  # a tuple: not a submodule, no reference cycle through nn.Module registration
 
@@ -60,6 +79,8 @@ class EPExperts(nn.Module):
         if owner.recorder is not None:
             owner.recorder.record(self.index, experts)
         fn = swiglu_expert_fn(self.w13, self.w2, swiglu_limit=swiglu_limit)
+        if owner.dispatcher is not None:
+            return deep_ep_moe(x, experts, weights, self.placement, fn, owner.dispatcher)
         return ep_moe(x, experts, weights, self.placement, fn, owner.group)
 
     def empty_call(self) -> None:
@@ -82,11 +103,17 @@ class ExpertParallel:
         sites: the rank's collective-site tracker (counts EP calls).
         group: the EP process group (None = the default group, all ranks).
         recorder: the EPLB ``LoadRecorder`` (None when EPLB is off).
+        dispatcher: DeepEP dispatch/combine for every layer, or None (the all-to-all path, exact combine).
     """
 
-    def __init__(self, sites: CollectiveSites, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        sites: CollectiveSites,
+        group: dist.ProcessGroup | None = None,
+        dispatcher: DeepEPDispatcher | None = None,
+    ):
         self.layers: list[EPExperts] = []
-        self.sites, self.group = sites, group
+        self.sites, self.group, self.dispatcher = sites, group, dispatcher
         self.recorder: LoadRecorder | None = None
 
     @property
@@ -104,23 +131,20 @@ def install_expert_parallel(
     sites: CollectiveSites,
     num_redundant: int = 0,
     group: dist.ProcessGroup | None = None,
+    dispatcher: DeepEPDispatcher | None = None,
 ) -> ExpertParallel:
     """Replace the routed experts of every backbone MoE layer of ``model`` (``model.layers[i].ffn.experts``) by
-    this rank's share under ``default_placement(E, world, num_redundant)``; frees the other experts.
+    this rank's share under ``default_placement(E, world, num_redundant)``; frees the other experts (a model
+    loaded per rank holds none).
 
     Raises:
         ValueError: when E + num_redundant is not a multiple of ``world`` (slots must split evenly).
     """
-    ep = ExpertParallel(sites, group)
+    ep = ExpertParallel(sites, group, dispatcher)
     for index, block in enumerate(model.layers):
         full = block.ffn.experts
-        num_experts = full.w13.shape[0]
-        if (num_experts + num_redundant) % world:
-            raise ValueError(
-                f"expert parallel: {num_experts} routed experts + {num_redundant} redundant slots do not split "
-                f"over {world} ranks; choose num_redundant_experts so that the sum is a multiple of {world}"
-            )
-        placement = default_placement(num_experts, world, num_redundant)
+        num_experts = block.ffn.gate.weight.shape[0]  # the router's width: the stacks may hold slots only
+        placement = expert_placement(num_experts, world, num_redundant)
         layer = EPExperts(full, placement, rank, index, ep, block.ffn.limit)
         block.ffn.experts = layer
         ep.layers.append(layer)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer_runtime.engine.request import Request
+from deepinfer_runtime.loader.shard import LoadStats
 
 # the fields a rank's copy of a request changes while it runs, copied back onto the driver's Request
 _RESULT_FIELDS = (
@@ -45,13 +46,15 @@ class ModelView:
 
 @dataclass
 class RankInfo:
-    """Rank 0's answer to start-up: what the driver needs to admit requests like a single-process LLM."""
+    """A rank's answer to start-up: what the driver needs to admit requests like a single-process LLM (rank 0's
+    answer is used; every rank has the same), and what this rank's loader read."""
 
     model: ModelView
     budget: Any  # engine.kv_cache.CacheBudget of one rank (every rank has the same)
     max_model_len: int
     eos: set[int]
     num_ep_layers: int
+    load: LoadStats
 
 
 @dataclass

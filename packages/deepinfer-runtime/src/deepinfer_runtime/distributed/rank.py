@@ -10,6 +10,7 @@ engine step (or, with nothing to run, an empty pass through the EP collectives),
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from deepinfer_runtime.distributed.eplb_live import LiveEplb
 from deepinfer_runtime.distributed.messages import CPJob, ModelView, RankInfo, RequestUpdate, StepReport
 from deepinfer_runtime.distributed.sites import CollectiveSites
 from deepinfer_runtime.engine.request import Request
+from deepinfer_runtime.loader.shard import LoadShard
 
 
 @dataclass
@@ -38,19 +40,25 @@ class RankState:
 
 
 def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> RankInfo:
-    """Build this rank's engine and shard its experts. Collective (CP sub-groups are created on every rank)."""
+    """Build this rank's engine from its share of the checkpoint (``LoadShard``: its expert slots, its Engram
+    rows) and install EP and the Engram sharding over it. Collective (CP sub-groups are created on every rank)."""
     from deepinfer_runtime.llm import LLM
 
     if ctx.device.type == "cpu":  # ranks share the host's cores: oversubscribed OpenMP threads spin and crawl
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    kwargs = dict(llm_kwargs, device=str(ctx.device))
+    ep_on = config.expert_parallel_size > 1
+    shard = LoadShard(ctx.rank, ctx.world_size, ep_on, config.num_redundant_experts if ep_on else 0)
+    kwargs = dict(llm_kwargs, device=str(ctx.device), load_shard=shard)
     if ctx.rank:
         kwargs["log_stats"] = False
     llm = LLM(**kwargs)
     sites = CollectiveSites()
     ep = eplb = None
-    if config.expert_parallel_size > 1:
-        ep = install_expert_parallel(llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts)
+    if ep_on:
+        dispatcher = _dispatcher(ctx, llm, config)
+        ep = install_expert_parallel(
+            llm.model, ctx.rank, ctx.world_size, sites, config.num_redundant_experts, dispatcher=dispatcher
+        )
         if config.eplb is not None:
             eplb = LiveEplb(ep, config.eplb, ctx.world_size)
     engram = install_engram_sharding(llm.model, ctx.rank, ctx.world_size, sites)
@@ -68,7 +76,24 @@ def init_rank(ctx: RankContext, llm_kwargs: dict, config: ParallelConfig) -> Ran
     ctx.state["engine"] = RankState(llm, config, sites, ep, eplb, cp_group)
     model = llm.model
     view = ModelView(model.cfg, getattr(model, "yoco_mode", "off"), model.dtype)
-    return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0)
+    return RankInfo(view, llm.budget, llm.max_model_len, set(llm.eos), ep.num_layers if ep else 0, model.load_stats)
+
+
+def _dispatcher(ctx: RankContext, llm, config: ParallelConfig):
+    """A ``DeepEPDispatcher`` when ``ep_backend`` is "deep_ep" and DeepEP can run here (else None: all-to-all)."""
+    from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher, select_ep_backend
+
+    def log(message: str) -> None:  # every rank decides alike; one line is enough
+        if ctx.rank == 0:
+            print(message, file=sys.stderr)
+
+    if select_ep_backend(config.ep_backend, ctx.device.type, dist.get_backend(), log) != "deep_ep":
+        return None
+    if llm.model.dtype != torch.bfloat16:
+        log(f"[deepinfer] EP backend deep_ep needs a bfloat16 model (here {llm.model.dtype}); using all_to_all")
+        return None
+    hidden_bytes = llm.model.cfg.hidden_size * llm.model.dtype.itemsize
+    return DeepEPDispatcher(None, hidden_bytes)
 
 
 @torch.no_grad()

@@ -3,6 +3,9 @@
 Accepts ``model.safetensors.index.json`` (HF sharded layout) or, without an index, every
 ``*.safetensors`` file in the directory. Every problem is reported as one ``CheckpointError``
 naming the directory and the missing shard, the corrupt file or the duplicated tensor.
+
+Reads are counted (``bytes_read``, ``read_log``): a rank that loads only its share of the checkpoint
+(``loader/shard.py``) reports what it really materialised, and tests assert it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ class SafetensorsDir:
                         raise CheckpointError(f"{self.path}: tensor {name!r} is in both {self.shard_of[name]} and {f}")
                     self.shard_of[name] = f
         self._handles: dict[str, object] = {}
+        self.read_log: dict[str, int] = {}  # tensor name -> bytes read (a row slice counts its rows only)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.read_log.values())
+
+    def file_bytes(self) -> int:
+        """Total size of the shard files (headers included)."""
+        return sum((self.path / f).stat().st_size for f in set(self.shard_of.values()))
 
     def _keys(self, file: str) -> set[str]:
         try:
@@ -64,12 +76,39 @@ class SafetensorsDir:
     def names(self) -> set[str]:
         return set(self.shard_of)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         file = self.shard_of[name]
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(self.path / file, framework="pt")
+        return handle
+
+    def _corrupt(self, name: str, exc: Exception) -> CheckpointError:
+        return CheckpointError(f"{self.path / self.shard_of[name]}: tensor {name!r} is corrupt ({exc})")
+
+    def get(self, name: str) -> torch.Tensor:
         try:
-            return handle.get_tensor(name)
+            tensor = self._handle(name).get_tensor(name)
         except Exception as exc:
-            raise CheckpointError(f"{self.path / file}: tensor {name!r} is corrupt ({exc})") from None
+            raise self._corrupt(name, exc) from None
+        self.read_log[name] = self.read_log.get(name, 0) + tensor.nbytes
+        return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name``, from the header (reads no data)."""
+        try:
+            return tuple(self._handle(name).get_slice(name).get_shape())
+        except Exception as exc:
+            raise self._corrupt(name, exc) from None
+
+    def get_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        """Rows [lo, hi) of ``name`` along dim 0 (reads only those bytes); ``rows=None``: the whole tensor."""
+        if rows is None:
+            return self.get(name)
+        lo, hi = rows
+        try:
+            tensor = self._handle(name).get_slice(name)[lo:hi]
+        except Exception as exc:
+            raise self._corrupt(name, exc) from None
+        self.read_log[name] = self.read_log.get(name, 0) + tensor.nbytes
+        return tensor

@@ -58,15 +58,16 @@ def check_inventory(inventory: list[TensorSpec], ckpt: SafetensorsDir, ignore_pr
 
 
 def load_engram_table(
-    spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | None
+    spec: TensorSpec, ckpt: SafetensorsDir, quant: QuantConfig | None, rows: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Read an Engram table *without* dequantising it.
+    """Read an Engram table (or its rows [lo, hi) with ``rows``: a rank's shard) *without* dequantising it.
 
     Returns ``(rows, scale)``: for a quantised table ``rows`` [R, D] float8_e4m3fn and ``scale``
     [R, D / 32] float8_e8m0fnu (raw uint8 scale bytes are reinterpreted, not converted); for an unquantised
-    table ``rows`` [R, D] bfloat16 and ``None``. Value = rows[r, c] * 2^(e[r, c // 32] - 127), i.e.
-    ``fp8_block_dequantize(rows, scale, (1, 32))``. Shapes and dtypes are checked; a mismatch raises a
-    CheckpointError naming the tensor.
+    table ``rows`` [R, D] bfloat16 and ``None`` (R = hi - lo with ``rows``). Value = rows[r, c] *
+    2^(e[r, c // 32] - 127), i.e. ``fp8_block_dequantize(rows, scale, (1, 32))``. Stored shapes are checked
+    against the whole table from the header (a slice reads only its rows); dtypes on what is read. A mismatch
+    raises a CheckpointError naming the tensor.
     """
     if spec.role != ENGRAM_TABLE:
         raise ValueError(f"load_engram_table: {spec.name!r} has role {spec.role!r}, not {ENGRAM_TABLE!r}")
@@ -74,9 +75,10 @@ def load_engram_table(
     if len(spec.shape) != 2:
         raise CheckpointError(f"{where}: an Engram table is 2-D [rows, head_dim], inventory says {spec.shape}")
     n_rows, dim = spec.shape
-    raw = ckpt.get(spec.name)
-    if tuple(raw.shape) != spec.shape:
-        raise CheckpointError(f"{where}: shape {tuple(raw.shape)} != expected {spec.shape}")
+    stored = ckpt.shape(spec.name)
+    if stored != spec.shape:
+        raise CheckpointError(f"{where}: shape {stored} != expected {spec.shape}")
+    raw = ckpt.get_rows(spec.name, rows)
     scale_name = _scale_name(spec.name)
     if scale_name not in ckpt.names():
         if raw.dtype in _FP8 or not raw.is_floating_point():
@@ -88,10 +90,11 @@ def load_engram_table(
         raise CheckpointError(f"{where}: has a scale but dtype {raw.dtype} (want float8_e4m3fn)")
     if dim % ENGRAM_SCALE_BLOCK:
         raise CheckpointError(f"{where}: head_dim {dim} is not a multiple of {ENGRAM_SCALE_BLOCK}")
-    scale = ckpt.get(scale_name)
     want = (n_rows, dim // ENGRAM_SCALE_BLOCK)
-    if tuple(scale.shape) != want:
-        raise CheckpointError(f"{ckpt.path}: tensor {scale_name!r}: shape {tuple(scale.shape)} != expected {want}")
+    stored = ckpt.shape(scale_name)
+    if stored != want:
+        raise CheckpointError(f"{ckpt.path}: tensor {scale_name!r}: shape {stored} != expected {want}")
+    scale = ckpt.get_rows(scale_name, rows)
     if scale.dtype == torch.uint8:
         scale = scale.view(torch.float8_e8m0fnu)
     elif scale.dtype != torch.float8_e8m0fnu:
@@ -152,26 +155,53 @@ def decode_tensor(
     return raw.to(dtype)
 
 
+ParamFor = Callable[[str], tuple[str, int | None, int | None]]
+
+
+def load_tensor(
+    spec: TensorSpec,
+    ckpt: SafetensorsDir,
+    quant: QuantConfig | None,
+    params: dict[str, torch.Tensor],
+    param_for: ParamFor,
+    local_experts: list[int] | None = None,
+) -> None:
+    """Decode ``spec`` into its model parameter (in place).
+
+    ``param_for`` maps a checkpoint name to (parameter, expert index or None, half of a w13 stack or None).
+    With ``local_experts`` (a rank's logical expert per local slot, ``LoadShard.local_experts``) a routed expert
+    of a backbone layer (``layers.*``) goes to every local slot holding it, and one this rank does not hold is
+    not read at all; the DSpark stages (``mtp.*``) keep every expert.
+    """
+    target_name, expert, half = param_for(spec.name)
+    slots: list[int | None] = [expert]
+    if expert is not None and local_experts is not None and spec.name.startswith("layers."):
+        slots = [slot for slot, logical in enumerate(local_experts) if logical == expert]
+        if not slots:
+            return
+    target = params[target_name]
+    value = decode_tensor(spec, ckpt, quant, target.dtype)
+    for slot in slots:
+        dest = target if slot is None else target[slot]
+        if half is not None:
+            dest = dest[half * value.shape[0] : (half + 1) * value.shape[0]]
+        dest.copy_(value)
+
+
 def load_weights(
     model: torch.nn.Module,
     inventory: list[TensorSpec],
     ckpt: SafetensorsDir,
     quant: QuantConfig | None,
-    param_for: Callable[[str], tuple[str, int | None, int | None]],
+    param_for: ParamFor,
     ignore_prefixes: tuple[str, ...] = (),
     progress: bool = True,
+    local_experts: list[int] | None = None,
 ) -> None:
-    """Validate the inventory, then decode every tensor into its model parameter (in place)."""
+    """Validate the inventory, then decode every tensor into its model parameter (in place); with
+    ``local_experts`` only this rank's routed experts (see ``load_tensor``)."""
     check_inventory(inventory, ckpt, ignore_prefixes)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     for spec in tqdm(inventory, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        target_name, expert, half = param_for(spec.name)
-        target = params[target_name]
-        value = decode_tensor(spec, ckpt, quant, target.dtype)
-        if expert is not None:
-            target = target[expert]
-            if half is not None:
-                rows = value.shape[0]
-                target = target[half * rows : (half + 1) * rows]
-        target.copy_(value)
+        load_tensor(spec, ckpt, quant, params, param_for, local_experts)

@@ -224,16 +224,22 @@ class Engram(nn.Module):
         self.k_weight = param(cfg.hc_mult, cfg.hidden_size, dtype=torch.float32)
         self.rows: torch.Tensor | None = None  # [R, head_dim] float8_e4m3fn or float
         self.scale: torch.Tensor | None = None  # [R, head_dim / 32] float8_e8m0fnu or None
+        # (lo, hi, whole-table rows) when a rank's loader read only rows [lo, hi) (engram_shard.py serves lookups)
+        self.row_range: tuple[int, int, int] | None = None
         primes = cfg.engram_primes[self.index]
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.long), persistent=False)
         mult = engram_multipliers(layer, cfg.engram_compressed_vocab_size, cfg.engram_max_ngram_size)
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.long), persistent=False)
 
-    def set_table(self, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
-        self.rows, self.scale = rows, scale
+    def set_table(
+        self, rows: torch.Tensor, scale: torch.Tensor | None, row_range: tuple[int, int, int] | None = None
+    ) -> None:
+        self.rows, self.scale, self.row_range = rows, scale, row_range
 
     def gather(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """ids [T, C] row ids -> dequantised rows [T, C * head_dim]."""
+        if self.row_range is not None:
+            raise RuntimeError(f"Engram: holds rows {self.row_range[:2]} of the table only; lookups need sharding")
         flat = ids.reshape(-1).to(self.rows.device)
         rows = self.rows[flat]
         if self.scale is not None:

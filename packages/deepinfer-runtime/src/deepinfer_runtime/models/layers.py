@@ -9,6 +9,9 @@ dequantised matrix, made on each access)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from deepinfer_kernels import (
     MhcConfig,
@@ -25,8 +28,22 @@ from deepinfer_kernels import (
 from torch import nn
 
 
-def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+def param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+_DEFER_EXPERTS = [False]
+
+
+@contextmanager
+def deferred_experts() -> Iterator[None]:
+    """Models built inside get ``Experts`` stacks on the meta device (no memory) until ``Experts.allocate_``:
+    a rank that loads only its expert slots never holds (nor zeroes) the whole model's experts."""
+    _DEFER_EXPERTS[0] = True
+    try:
+        yield
+    finally:
+        _DEFER_EXPERTS[0] = False
 
 
 class Linear(nn.Module):
@@ -94,8 +111,20 @@ class Experts(nn.Module):
 
     def __init__(self, n_experts: int, inter: int, hidden: int, dtype: torch.dtype):
         super().__init__()
-        self.w13 = param(n_experts, 2 * inter, hidden, dtype=dtype)
-        self.w2 = param(n_experts, hidden, inter, dtype=dtype)
+        device = "meta" if _DEFER_EXPERTS[0] else None
+        self.w13 = param(n_experts, 2 * inter, hidden, dtype=dtype, device=device)
+        self.w2 = param(n_experts, hidden, inter, dtype=dtype, device=device)
+        # logical expert held by each stack entry when a loader filled only a rank's slots (None: entry e = expert e)
+        self.slot_experts: tuple[int, ...] | None = None
+
+    def allocate_(self, slot_experts: list[int] | None = None) -> None:
+        """Allocate zeroed stacks (after a ``deferred_experts`` build): one entry per logical expert, or with
+        ``slot_experts`` one per slot of a rank (entry s will hold logical expert ``slot_experts[s]``)."""
+        _, two_inter, hidden = self.w13.shape
+        n = self.w13.shape[0] if slot_experts is None else len(slot_experts)
+        self.w13 = param(n, two_inter, hidden, dtype=self.w13.dtype)
+        self.w2 = param(n, hidden, two_inter // 2, dtype=self.w2.dtype)
+        self.slot_experts = None if slot_experts is None else tuple(slot_experts)
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *, swiglu_limit: float | None

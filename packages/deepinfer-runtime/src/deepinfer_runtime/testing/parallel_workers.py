@@ -31,3 +31,23 @@ def ep_forward_one_busy_rank(ctx, path: str, prompt: list[int], factor: float, b
         sites.dummy_pass()
         return None
     return model.forward_logits(torch.tensor([prompt]))[0]
+
+
+def ep_forward_fake_deep_ep(ctx, path: str, prompt: list[int]):
+    """Every rank loads its share of the checkpoint (bf16), installs EP with a ``DeepEPDispatcher`` over
+    ``deepinfer_parallel.fake_deep_ep`` and runs a forward of ``prompt``. Returns (logits [S, V], the fake
+    Buffer's call counts)."""
+    from deepinfer_parallel import fake_deep_ep
+    from deepinfer_parallel.deep_ep_adapter import DeepEPDispatcher
+
+    from deepinfer_runtime.distributed.ep_experts import install_expert_parallel
+    from deepinfer_runtime.distributed.sites import CollectiveSites
+    from deepinfer_runtime.loader.shard import LoadShard
+    from deepinfer_runtime.model_loader import load_model
+
+    torch.set_num_threads(1)
+    shard = LoadShard(ctx.rank, ctx.world_size)
+    model = load_model(path, dtype=torch.bfloat16, device="cpu", progress=False, shard=shard)
+    dispatcher = DeepEPDispatcher(None, model.cfg.hidden_size * 2, deep_ep=fake_deep_ep)
+    install_expert_parallel(model, ctx.rank, ctx.world_size, CollectiveSites(), dispatcher=dispatcher)
+    return model.forward_logits(torch.tensor([prompt]))[0], dict(dispatcher.buffer.calls)
