@@ -38,7 +38,8 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     is_owner = rank == job.owner
     total = req.num_prompt_tokens
     blocks = engine.scheduler.blocks
-    ok = torch.tensor([1 if (not is_owner or blocks.can_grow([], total)) else 0], dtype=torch.int64)
+    fits = blocks.can_grow([], total) and engine.scheduler.slots_held() < engine.scheduler.config.max_num_seqs
+    ok = torch.tensor([1 if (not is_owner or fits) else 0], dtype=torch.int64)
     device = torch.device("cuda", torch.cuda.current_device()) if config.backend == "nccl" else torch.device("cpu")
     ok = ok.to(device)
     dist.broadcast(ok, src=job.owner, group=st.cp_group)
@@ -50,7 +51,7 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     model = llm.model
     if is_owner:
         blocks.grow(req.block_ids, total)
-        cache = model.new_cache(engine.runner.pools.factory(req.block_ids))
+        cache = engine.runner.new_cache(req)
     else:
         cache = model.new_cache()
     n = total - 1
