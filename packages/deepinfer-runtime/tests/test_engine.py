@@ -50,7 +50,7 @@ def test_v4_greedy_batch_equals_transformers_alone(tiny_v4_dirs):
     from transformers import DeepseekV4ForCausalLM
 
     path = tiny_v4_dirs["mixed"]
-    llm = _small_llm(path, kv_cache_memory=12 * 21_760 + 160 * 136)
+    llm = _small_llm(path, kv_cache_memory=12 * 25_856 + 160 * 136)
     assert llm.budget.num_tokens == 160
     prompts = _prompts(seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)

@@ -36,13 +36,19 @@ def _one_thread():
         torch.set_num_threads(old)
 
 
+def _mixed_params(prompts):
+    """Greedy, plus seeded sampling (n = 2): the sampler is seeded per request, so no rank placement may matter."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, n=2)
+    return [GREEDY if i % 2 else sampled for i in range(len(prompts))]
+
+
 def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
 def _single(path, prompts, params=GREEDY, **kw):
     with _one_thread():
-        return _tokens(LLM(model=path, **OPTS, **kw).generate(prompts, params, use_tqdm=False))
+        return _tokens(LLM(model=path, **{**OPTS, **kw}).generate(prompts, params, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +59,10 @@ def v41_dir(tmp_path_factory):
 def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
     path = tiny_v4_dirs["mixed"]
     prompts = _prompts()
-    # greedy, plus seeded sampling (n = 2): the sampler is seeded per request, so no rank placement may matter
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, n=2)
-    params = [GREEDY if i % 2 else sampled for i in range(len(prompts))]
-    ref = _single(path, prompts, params)
+    params = _mixed_params(prompts)
+    # 8 request slots per rank: every CP job's owner has a free one (a full owner falls back to ordinary prefill)
+    opts = {**OPTS, "max_num_seqs": 8}
+    ref = _single(path, prompts, params, **opts)
     llm = LLM(
         model=path,
         data_parallel_size=2,
@@ -66,7 +72,7 @@ def test_world2_v4_dp_ep_cp_with_live_eplb_equals_single_process(tiny_v4_dirs):
         eplb_window_size=4,
         eplb_step_interval=2,
         num_redundant_experts=2,
-        **OPTS,
+        **opts,
     )
     try:
         outs = _tokens(llm.generate(prompts, params, use_tqdm=False))
@@ -224,7 +230,7 @@ def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dir
     # for rank 1 (9 blocks). Step 2 (one CP job per group per step): the second long one's owner is rank 0, whose
     # short request holds 7 blocks: it cannot take 9, so the group skips and rank 0 prefills it the ordinary way.
     path = tiny_v4_dirs["mixed"]
-    kw = dict(kv_cache_memory=8 * 21_760 + 160 * 136)  # 4 request slots + 4 snapshots fixed, 160 growing tokens
+    kw = dict(kv_cache_memory=8 * 25_856 + 160 * 136)  # 4 request slots + 4 snapshots fixed, 160 growing tokens
     prompts = _prompts(seed=7, lengths=[100, 130, 130])
     ref = _single(path, prompts, **kw)
     llm = LLM(model=path, data_parallel_size=2, context_parallel_size=2, context_parallel_min_tokens=120, **OPTS, **kw)
@@ -247,3 +253,19 @@ def test_ep_backend_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("DEEPINFER_EP_BACKEND", "nvshmem")
     with pytest.raises(ValueError, match="DEEPINFER_EP_BACKEND must be one of"):
         ParallelConfig.create(2)
+
+
+def test_cp_owner_without_a_free_request_slot_falls_back_to_ordinary_prefill(tiny_v4_dirs):
+    # the scenario of the first test with 4 request slots per rank (8 requests, 3 of them long): once the short
+    # requests and a CP-prefilled one hold an owner's 4 slots, the later CP jobs fall back to ordinary prefill
+    path = tiny_v4_dirs["mixed"]
+    prompts = _prompts()
+    params = _mixed_params(prompts)
+    ref = _single(path, prompts, params)
+    llm = LLM(model=path, data_parallel_size=2, context_parallel_size=2, context_parallel_min_tokens=50, **OPTS)
+    try:
+        outs = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert outs == ref
+    assert (llm.engine.cp_prefills, llm.engine.cp_fallbacks) == (1, 2)

@@ -23,27 +23,24 @@ def _v41_state(c, window):
     """What the next steps read, trimmed to what attention uses (the rings may hold more)."""
     out = {"seq_len": c.seq_len, "ctx_end": c.ctx_end, "engram": c.engram_history}
     for layer, w in c.windows.items():
-        out[f"win{layer}"] = w[-(window - 1) :]
+        out[f"win{layer}"] = w.view()[-(window - 1) :]
     for layer, s in c.sources.items():
         out[f"kv{layer}"], out[f"idx{layer}"] = s.entries.view(), s.keys.view()
-        out[f"tail{layer}"] = (s.tail_kv, s.tail_score)
+        if s.ratio > 1:  # the incomplete group's projections
+            group = (s.num_entries * s.ratio, s.kv.end)
+            out[f"tail{layer}"] = (s.kv.end, s.kv.read(*group), s.score.read(*group))
     for k, ctx in c.dspark_ctx.items():
-        out[f"ctx{k}"] = ctx[-window:]
+        out[f"ctx{k}"] = ctx.view()[-window:]
     return out
 
 
 def _v4_state(c, window):
     out = {"seq_len": c.seq_len}
     for i, lc in enumerate(c.layers):
-        out[f"win{i}"] = None if lc.window is None else lc.window[-(window - 1) :]
+        out[f"win{i}"] = lc.window.view()[-(window - 1) :]
         for name, s in (("comp", lc.compressor), ("idx", lc.indexer)):
-            out[f"{name}{i}"] = (
-                None if s.entries is None else s.entries.view(),
-                s.pending_kv,
-                s.pending_score,
-                s.prev_kv,
-                s.prev_score,
-            )
+            if s is not None:  # entries, the incomplete group and the previous window's A-halves
+                out[f"{name}{i}"] = (None if s.entries is None else s.entries.view(), *s.carried())
     return out
 
 

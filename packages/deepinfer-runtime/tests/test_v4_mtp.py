@@ -8,6 +8,7 @@ from deepinfer_runtime import load_model
 from deepinfer_runtime.errors import CheckpointError, ConfigError
 from deepinfer_runtime.models.deepseek_v4_cache import LayerCache
 from deepinfer_runtime.models.deepseek_v4_weights import v4_mtp_inventory
+from deepinfer_runtime.slot_pool import SlotPool, SlotSpec
 from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
 
 N = 3  # drafts per step; rollback ring B = N + 1
@@ -37,7 +38,8 @@ def _recomputed_logits(model, tokens: list[int], drafts: list[int]) -> torch.Ten
     over a fresh window, then one chained row per draft. fp32 [len(drafts), V]."""
     layer, a = model.mtp[0], len(tokens) - 1
     ids = torch.tensor(tokens[1:])
-    window = LayerCache()
+    spec = SlotSpec("window", "test", model.cfg.sliding_window - 1 + N, model.cfg.head_dim, torch.float32)
+    window = LayerCache(SlotPool.private([spec], "cpu")["window"])
     x = layer.run(_backbone_streams(model, tokens[:-1]), model.embed.weight[ids], ids, [torch.arange(a)], [window])
     x = x[-1:]
     logits = [layer.logits(x, model.head)]
@@ -75,7 +77,7 @@ def test_incremental_drafts_equal_recomputation(model, prompt_len, chunk):
         accepted_counts.add(acc)
         model.rollback_cache(cache, N - acc, None)
         tokens += drafts[:acc] + rand(1)  # accepted drafts, then the residual / bonus token (the next anchor)
-        assert cache.mtp.pending_start + cache.mtp.pending.shape[0] == cache.seq_len == len(tokens) - 1
+        assert cache.mtp.streams.end == cache.seq_len == len(tokens) - 1
     assert len(accepted_counts) > 1
 
 

@@ -17,8 +17,7 @@ Both return the same values from ``view()``; which one a cache uses is the engin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -37,18 +36,6 @@ class RowStore(Protocol):
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` rows (speculative rollback); later appends overwrite the rest."""
-
-
-@dataclass
-class CacheSnapshot:
-    """A request cache at a block boundary, for prefix caching: ``fixed`` is the model's cache object
-    holding cloned fixed-size state (windows, Engram lookback, DSpark context); ``tails`` the compressor
-    tails per source; ``lengths`` (ratio, rows) per source. The growing rows themselves are not copied:
-    they are the pool blocks the prefix cache keeps alive."""
-
-    fixed: Any
-    tails: dict
-    lengths: dict
 
 
 class TensorRows:

@@ -30,6 +30,7 @@ from deepinfer_runtime.model_loader import load_model
 from deepinfer_runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_runtime.sampler import Sampler, child_seed, derive_request_seed
 from deepinfer_runtime.sampling_params import SamplingParams
+from deepinfer_runtime.slot_pool import SlotPool
 from deepinfer_runtime.tokenizer import Tokenizer
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -205,7 +206,8 @@ class LLM:
         budget_bytes = self._kv_budget(gpu_memory_utilization, kv_cache_memory)
         snapshots = max_num_seqs if enable_prefix_caching else 0
         self.spec = self._spec_decoder(spec_config, max_num_batched_tokens)
-        layout = self.model.cache_layout(0 if self.spec is None else self.spec.backtrack)
+        backtrack = 0 if self.spec is None else self.spec.backtrack
+        layout = self.model.cache_layout(backtrack)
         self.budget = CacheBudget(layout, budget_bytes, max_num_seqs, block_size, snapshots)
         if log_stats:
             print(f"[deepinfer] KV cache accounting ({self.model.dtype}):\n{self.budget.summary()}", file=sys.stderr)
@@ -219,11 +221,12 @@ class LLM:
         eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         pools = KVPools(blocks.num_blocks, block_size, self.device)
+        slots = SlotPool(self.model.slot_specs(backtrack), max_num_seqs, snapshots, self.device)
         if async_scheduling is None:  # drafts need each step's tokens: speculative decoding runs synchronously
             async_scheduling = self.device.type == "cuda" and self.spec is None
         self.engine = LLMEngine(
             sched,
-            ModelRunner(self.model, Sampler(self.eos), self.device, pools, self.spec),
+            ModelRunner(self.model, Sampler(self.eos), self.device, pools, slots, self.spec),
             self.tokenizer,
             self.eos,
             async_scheduling=bool(async_scheduling),

@@ -2,16 +2,17 @@
 
 For a ``CPJob`` (request of prompt length L, owner rank o), every rank of o's CP group runs prompt tokens
 [0, L-1) through ``cp_prefill_v4`` / ``cp_prefill_v41`` on its zigzag share of the positions. The owner's copy of
-the request cache lives in its KV pools (blocks for all L tokens are taken first, so the later admission can
-never un-admit it and drop the state); the helpers' copies are throwaway. The owner then hands the request to its
+the request cache lives in its KV pools and in one of its request slots (blocks for all L tokens are taken first,
+so the later admission can never un-admit it and drop the state; the slot counts as held from then on, so the
+scheduler admits fewer fresh requests); the helpers' copies are throwaway. The owner then hands the request to its
 scheduler as a request with L-1 computed tokens, the way a prefix-cache hit starts: its next chunk is the last
 prompt token (with YOCO's prompt length L, as single-process chunked prefill would have it), which samples the
 first output token. Chunked prefill is bitwise chunking-invariant, so outputs equal the single-process engine's.
 
 Ranks of CP groups without a job this step join the collectives with one empty pass (a CP forward calls every
 collective site, EP MoE and sharded Engram, once on each participating rank). If the owner cannot take the
-blocks now, the whole group skips the job (one broadcast decides) and the owner queues the request for ordinary
-prefill.
+blocks or has no free request slot now, the whole group skips the job (one broadcast decides) and the owner
+queues the request for ordinary prefill.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     is_owner = rank == job.owner
     total = req.num_prompt_tokens
     blocks = engine.scheduler.blocks
-    ok = torch.tensor([1 if (not is_owner or blocks.can_grow([], total)) else 0], dtype=torch.int64)
+    fits = blocks.can_grow([], total) and engine.scheduler.slots_held() < engine.scheduler.config.max_num_seqs
+    ok = torch.tensor([1 if (not is_owner or fits) else 0], dtype=torch.int64)
     device = torch.device("cuda", torch.cuda.current_device()) if config.backend == "nccl" else torch.device("cpu")
     ok = ok.to(device)
     dist.broadcast(ok, src=job.owner, group=st.cp_group)
@@ -50,7 +52,7 @@ def run_cp_phase(st, rank: int, jobs: list[CPJob]) -> tuple[list[Request], bool]
     model = llm.model
     if is_owner:
         blocks.grow(req.block_ids, total)
-        cache = model.new_cache(engine.runner.pools.factory(req.block_ids))
+        cache = engine.runner.new_cache(req)
     else:
         cache = model.new_cache()
     n = total - 1

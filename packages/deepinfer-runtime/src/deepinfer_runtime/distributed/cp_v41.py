@@ -39,7 +39,7 @@ def _attention(
     pos_all = torch.sort(torch.cat(owned)).values.to(u.device)
     if attn.kv_source == attn.layer:
         xc, pc = comp if comp is not None else (u_all, pos_all)
-        attn.feed_compressor(xc, pc, cache.source(attn.layer, attn.ratio), cache.backtrack)
+        attn.feed_compressor(xc, pc, cache.source(attn.layer, attn.ratio))
     if not pos_all.numel():
         return u.new_zeros(0, attn.cfg.hidden_size)
     qr, q = attn.query(u, pos)

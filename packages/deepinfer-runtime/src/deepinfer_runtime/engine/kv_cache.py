@@ -1,9 +1,10 @@
 """KV cache memory: exact accounting by cache kind and the block allocator behind the paged pools.
 
-Every DeepSeek V4 / V4.1 cache kind is either fixed per request (window rings, compressor tails,
-Engram lookback, DSpark context) or grows with the sequence (compressed KV, index keys). The budget
-is split once at start-up: ``max_num_seqs`` fixed request slots, ``snapshot_slots`` fixed slots for
-prefix-cache snapshots, and the rest into blocks of ``block_size`` tokens of growing state. A block id
+Every DeepSeek V4 / V4.1 cache kind is either fixed per request (window rings, compressor projection
+rings, Engram lookback, DSpark context) or grows with the sequence (compressed KV, index keys). The budget
+is split once at start-up: ``max_num_seqs`` request slots and ``snapshot_slots`` prefix-cache snapshot
+slots of fixed state, ``layout.fixed_bytes`` each (the engine allocates exactly these as one
+``slot_pool.SlotPool``), and the rest into blocks of ``block_size`` tokens of growing state. A block id
 addresses the same block in every growing pool (``kv_pool.KVPools``); a request's block table covers
 ceil(computed tokens / block_size) blocks; when none are free the scheduler preempts.
 
@@ -89,7 +90,8 @@ class BlockAllocator:
 @dataclass(frozen=True)
 class CacheBudget:
     """What fits: tokens of growing state, given a byte budget, the layout, the sequence cap and the
-    number of prefix-cache snapshot slots (each the size of one request's fixed state)."""
+    number of prefix-cache snapshot slots (each the size of one request's fixed state, one slot of the
+    ``SlotPool``)."""
 
     layout: CacheLayout
     budget_bytes: int

@@ -16,6 +16,7 @@ from deepinfer_runtime.engine.scheduler import StepPlan
 from deepinfer_runtime.engine.spec_decode import SpecOutcome
 from deepinfer_runtime.kv_pool import KVPools
 from deepinfer_runtime.sampler import Logprob, Sampler, SamplerOutput, SamplingRequest, prompt_logprob_entries
+from deepinfer_runtime.slot_pool import SlotPool
 from deepinfer_runtime.structured.mask import apply_grammar_bitmask
 
 
@@ -31,12 +32,16 @@ class StepResult:
 
 
 class ModelRunner:
-    """``pools`` hold the growing cache kinds of every request (block ids from the scheduler); a request's
-    model cache is built on its first chunk: empty, or resumed from its prefix hit's snapshot. With ``spec``
-    (speculative decoding) caches keep rings of B extra rows and chunks with drafts are verified."""
+    """``pools`` hold the growing cache kinds of every request (block ids from the scheduler), ``slots`` the
+    fixed-size ones (one slot per live request, made from ``model.slot_specs(B)``); a request's model cache is
+    built on its first chunk: empty, or resumed from its prefix hit's snapshot. With ``spec`` (speculative
+    decoding) caches keep rings of B extra rows and chunks with drafts are verified."""
 
-    def __init__(self, model: torch.nn.Module, sampler: Sampler, device: torch.device, pools: KVPools, spec=None):
-        self.model, self.sampler, self.device, self.pools, self.spec = model, sampler, device, pools, spec
+    def __init__(
+        self, model: torch.nn.Module, sampler: Sampler, device: torch.device, pools: KVPools, slots: SlotPool, spec=None
+    ):
+        self.model, self.sampler, self.device, self.pools, self.slots = model, sampler, device, pools, slots
+        self.spec = spec
         self.backtrack = 0 if spec is None else spec.backtrack
         self._prev: tuple[torch.Tensor, dict[str, int]] | None = None  # last launch's sampled tokens, by request
 
@@ -53,11 +58,7 @@ class ModelRunner:
         for c in plan.chunks:
             req = c.request
             if req.cache is None:
-                stores = self.pools.factory(req.block_ids)
-                if req.restore is not None:
-                    req.cache, req.restore = self.model.restore_cache(req.restore, stores, self.backtrack), None
-                else:
-                    req.cache = self.model.new_cache(stores, self.backtrack)
+                req.cache = self.new_cache(req)
             chunks.append(self._input_ids(req, c.start, c.num_tokens))
             caches.append(req.cache)
             prefill = c.start < req.prefill_len
@@ -103,6 +104,14 @@ class ModelRunner:
         flight.out = self.sampler(batch, reqs)
         self._prev = (flight.out.token_ids, {rid: row for row, rid in enumerate(flight.sampled)})
         return flight
+
+    def new_cache(self, req):
+        """``req``'s model cache over its block table and a request slot: empty, or its prefix hit's snapshot."""
+        stores = self.pools.factory(req.block_ids)
+        if req.restore is not None:
+            snap, req.restore = req.restore, None
+            return self.model.restore_cache(snap, stores, self.backtrack)
+        return self.model.new_cache(stores, self.backtrack, self.slots.claim())
 
     def _input_ids(self, req, start: int, n: int) -> torch.Tensor:
         ids = req.token_ids(start, start + n)

@@ -18,18 +18,20 @@ decoder windows are never visible. Only encoder-side state (encoder windows, com
 compressor tails) is taken from the cache, and it is a function of the tokens alone. So a hit gives the
 same values as computing the prefix, bit for bit when the kernels are batch invariant.
 
-Snapshots are bounded (LRU, ``max_snapshots``, whose memory the budget reserves); a snapshot whose chain
-lost a block is unreachable and dropped with that block's key.
+Snapshots are bounded (LRU, ``max_snapshots``): each holds one snapshot slot of the engine's ``SlotPool`` (the
+budget reserves them), given back when the snapshot is dropped; a snapshot whose chain lost a block is
+unreachable and dropped with that block's key.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer_runtime.engine.kv_cache import BlockAllocator
-from deepinfer_runtime.kv_pool import CacheSnapshot
+from deepinfer_runtime.slot_pool import CacheSnapshot
 
 _ROOT = b"deepinfer-prefix-v1"
 
@@ -74,7 +76,9 @@ class PrefixCache:
     def _evicted(self, block: int, key: bytes) -> None:
         if self.by_key.get(key) == block:
             del self.by_key[key]
-        self.snapshots.pop(key, None)
+        snap = self.snapshots.pop(key, None)
+        if snap is not None:
+            snap.release()
 
     def lookup(self, tokens: list[int], keys: list[bytes]) -> PrefixHit | None:
         """The longest usable hit for a request whose known tokens are ``tokens`` (keys = their block keys).
@@ -106,10 +110,12 @@ class PrefixCache:
                 self.blocks.hashed[held[i]] = keys[i]
         return len(keys)
 
-    def add_snapshot(self, key: bytes, snap: CacheSnapshot) -> None:
-        if self.max_snapshots <= 0 or key not in self.by_key:
+    def add_snapshot(self, key: bytes, make: Callable[[], CacheSnapshot]) -> None:
+        """File the snapshot ``make()`` takes under ``key`` (once per key), first dropping the least recently
+        used one when all ``max_snapshots`` are taken, so that its slot is free for the new one."""
+        if self.max_snapshots <= 0 or key not in self.by_key or key in self.snapshots:
             return
-        self.snapshots[key] = snap
-        self.snapshots.move_to_end(key)
-        while len(self.snapshots) > self.max_snapshots:
-            self.snapshots.popitem(last=False)
+        while len(self.snapshots) >= self.max_snapshots:
+            _, old = self.snapshots.popitem(last=False)
+            old.release()
+        self.snapshots[key] = make()

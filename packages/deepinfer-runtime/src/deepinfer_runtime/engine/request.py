@@ -107,6 +107,12 @@ class Request:
         penalties = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         return penalties or p.min_tokens > len(self.output_token_ids) or self.grammar is not None
 
+    def drop_cache(self) -> None:
+        """Give the model cache's slot back and forget it (finished, or preempted: recomputed later)."""
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+
     def clear_drafts(self) -> None:
         self.spec_token_ids, self.spec_logprobs, self.spec_placeholder, self.spec_num_proposed = [], None, False, 0
 

@@ -119,10 +119,15 @@ class Scheduler:
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
         self._drop_progress(req)
-        req.cache, req.status = None, RequestStatus.WAITING
+        req.drop_cache()
+        req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req)
+
+    def slots_held(self) -> int:
+        """Request slots held: running requests' and those of waiting requests that already have a cache."""
+        return len(self.running) + sum(r.cache is not None for r in self.waiting)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -148,6 +153,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            if req.cache is None and self.slots_held() >= self.config.max_num_seqs:
+                break  # every request slot is held (a CP-prefilled request waits with its cache)
             # prompt logprobs need the logits of every prompt row, so such a request never starts from a hit
             fresh = req.num_computed_tokens == 0 and not req.block_ids and req.params.prompt_logprobs is None
             if self.prefix is not None and fresh:
@@ -184,12 +191,11 @@ class Scheduler:
         # the snapshot is the state after exactly these tokens: only when they all have known values
         if full * bs == req.num_computed_tokens and start < req.prefill_len:
             key = req.block_keys[full - 1]
-            if key not in self.prefix.snapshots:
-                self.prefix.add_snapshot(key, snapshot())
+            self.prefix.add_snapshot(key, snapshot)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
         self.blocks.release(req.block_ids)
-        req.cache = None
+        req.drop_cache()

@@ -38,11 +38,17 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.kv_pool import CacheSnapshot
-from deepinfer_runtime.models.deepseek_v4_cache import CompressorState, LayerCache, RowFactory, SequenceCache
+from deepinfer_runtime.models.deepseek_v4_cache import (
+    CompressorState,
+    LayerCache,
+    RowFactory,
+    SequenceCache,
+    v4_slot_specs,
+)
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from deepinfer_runtime.models.deepseek_v4_mtp import MTPState, head_logits, mtp_state
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
+from deepinfer_runtime.models.deepseek_v4_mtp import MTPState, head_logits
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, param
+from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
 
 
 class Compressor(nn.Module):
@@ -69,25 +75,23 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = linear(xf, self.wkv.weight.float())
         score = linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
-        state.remember(kv, score, self.ratio, self.head_dim if self.overlap else 0)
-        kv, score = cat_rows(state.pending_kv, kv), cat_rows(state.pending_score, score)
+        pending_kv, pending_score, prev_kv, prev_score = state.carried()  # read before the rings take the rows
+        state.write(kv, score)
+        kv, score = torch.cat([pending_kv, kv]), torch.cat([pending_score, score])
         usable = kv.shape[0] // self.ratio * self.ratio
-        state.pending_kv, state.pending_score = kv[usable:], score[usable:]
         if usable:
             first = state.num_entries
             n_new = usable // self.ratio
             kv = kv[:usable].view(n_new, self.ratio, -1)
             score = score[:usable].view(n_new, self.ratio, -1)
             if self.overlap:
-                grouped_kv, grouped_score = overlap_windows(kv, score, state.prev_kv, state.prev_score)
-                state.prev_kv = kv[-1, :, : self.head_dim]
-                state.prev_score = score[-1, :, : self.head_dim]
+                grouped_kv, grouped_score = overlap_windows(kv, score, prev_kv, prev_score)
             else:
                 grouped_kv, grouped_score = kv, score
             pooled = self.norm(kv_compress_pool(grouped_kv, grouped_score).to(x.dtype))
             entry_pos = (torch.arange(n_new, device=x.device) + first) * self.ratio
-            state.store(self.ratio).append(rope_interleaved(pooled, entry_pos, inv_freq))
-        entries = state.store(self.ratio).view()
+            state.store().append(rope_interleaved(pooled, entry_pos, inv_freq))
+        entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
 
@@ -285,17 +289,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         n_mtp = cfg.num_nextn_predict_layers if mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(cfg, i, dtype) for i in range(n_mtp)) if mtp else None
 
-    def new_cache(self, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
-        """An empty request cache; ``new_rows`` makes its entry stores (default: standalone tensors);
-        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens. With MTP layers the
-        cache also carries their ``MTPState``."""
-        cache = SequenceCache.empty(self.cfg.num_hidden_layers, new_rows, backtrack)
-        if self.mtp is not None:
-            cache.mtp = mtp_state(self.cfg, backtrack)
-        return cache
+    def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
+        """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens; with MTP
+        layers also their drafting state's rings."""
+        return v4_slot_specs(self.cfg, self.dtype, backtrack, mtp=self.mtp is not None)
+
+    def new_cache(
+        self, new_rows: RowFactory | None = None, backtrack: int = 0, slots: SlotState | None = None
+    ) -> SequenceCache:
+        """An empty request cache over ``slots`` (a request slot of a pool of ``slot_specs(backtrack)``, by default
+        a private one); ``new_rows`` makes its entry stores (default: standalone tensors); ``backtrack`` B sizes
+        the rings so that ``rollback_cache`` can undo up to B tokens."""
+        if slots is None:
+            slots = SlotPool.private(self.slot_specs(backtrack), self.embed.weight.device)
+        return SequenceCache.empty(self.cfg, slots, new_rows, backtrack)
 
     def restore_cache(self, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
-        return SequenceCache.restore(snap, new_rows, backtrack)
+        """A cache continuing from prefix snapshot ``snap`` (copied into a new request slot of its pool)."""
+        return SequenceCache.restore(self.cfg, snap, new_rows, backtrack)
 
     def rollback_cache(self, cache: SequenceCache, num_tokens: int, token_ids=None) -> None:
         """Undo the last ``num_tokens`` tokens of ``cache`` (rejected drafts; at most its backtrack B).
@@ -384,7 +395,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         layer, dev = self.mtp[0], self.embed.weight.device
         streams, ids, positions = [], [], []
         for st, tokens, a in zip(states, token_ids, anchors):
-            rows, first = st.take(a)
+            rows, first = st.take(a, self.cfg.hc_mult)
             streams.append(rows)
             positions.append(torch.arange(first, a, device=dev))
             ids.append(torch.tensor(tokens(first + 1, a + 1), dtype=torch.int64, device=dev))
@@ -398,8 +409,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             if j + 1 < num_drafts:
                 pos = [torch.tensor([a + j], device=dev) for a in anchors]
                 x = layer.run(x, self.embed.weight[drafts], drafts, pos, windows)
-        for w in windows:
-            w.drop_window(num_drafts - 1)
+        for st in states:
+            st.drop_chained(num_drafts - 1)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward of input_ids [B, S] (LongTensor) from position 0: float logits [B, S, V]."""
@@ -414,20 +425,18 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 
 def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False) -> CacheLayout:
-    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``). ``backtrack``
-    B: the rings' extra rows for speculative rollback (windows W - 1 + B; projection rings of the compressors).
-    ``mtp``: the MTP layer's window ring and the backbone streams it drafts from (``deepseek_v4_mtp``)."""
+    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``): what one slot of
+    the ``slot_pool`` holds. ``backtrack`` B: the rings' extra rows for speculative rollback. ``mtp``: the MTP
+    layer's window ring and the backbone streams it drafts from (``deepseek_v4_mtp``)."""
     e = torch.finfo(dtype).bits // 8
     w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
     r_csa, r_hca = cfg.compress_rates[CSA], cfg.compress_rates[HCA]
     n_csa, n_hca = kinds.count(CSA), kinds.count(HCA)
-    # pending rows (ratio - 1) of kv + score, plus CSA's carried A-halves (ratio rows of kv + score), fp32
-    csa_state = ((r_csa - 1) * 2 * 2 * d + r_csa * 2 * d) * 4 + ((r_csa - 1) * 2 * 2 * dh + r_csa * 2 * dh) * 4
-    hca_state = (r_hca - 1) * 2 * d * 4
-    if b:  # rings of projected rows (kv + score): CSA 2 * ratio - 1 + B (kv and indexer), HCA ratio - 1 + B
-        csa_state += (2 * r_csa - 1 + b) * 2 * (2 * d + 2 * dh) * 4
-        hca_state += (r_hca - 1 + b) * 2 * d * 4
+    # fp32 rings of projected rows (kv + score): CSA (compressor of width 2d, indexer of width 2dh) the pending
+    # ratio - 1 rows, the previous window's ratio rows (its A-halves feed the next group) and B; HCA ratio - 1 + B
+    csa_state = (2 * r_csa - 1 + b) * 2 * (2 * d + 2 * dh) * 4
+    hca_state = (r_hca - 1 + b) * 2 * d * 4
     kinds = [
         CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
         CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),

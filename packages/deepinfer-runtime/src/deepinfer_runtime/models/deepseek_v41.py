@@ -56,9 +56,10 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.kv_pool import CacheSnapshot, RowStore, TensorRows
+from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, cat_rows, param
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, param
+from deepinfer_runtime.slot_pool import CacheSnapshot, Ring, SlotPool, SlotSpec, SlotState, append_window
 
 TRUNCATION_MODES = ("off", "mask", "compact")
 
@@ -69,15 +70,14 @@ TRUNCATION_MODES = ("off", "mask", "compact")
 @dataclass
 class SourceState:
     """What a KV source publishes: entries [N, D] (RoPE'd, quantised) and index keys [N, Dh] as row
-    stores (``kv_pool``), and the ratio-2 compressor tail (fp32 projections of the incomplete group)."""
+    stores (``kv_pool``), and for ratio > 1 the rings of the fp32 projections (kv, score) [ratio - 1 + B, D]
+    by position: the incomplete group (positions num_entries * ratio ..) and B rows for rollback."""
 
     entries: RowStore
     keys: RowStore
     ratio: int
-    tail_kv: torch.Tensor | None = None
-    tail_score: torch.Tensor | None = None
-    recent_kv: torch.Tensor | None = None  # the last ratio - 1 + B projections (rollback ring; B > 0 only)
-    recent_score: torch.Tensor | None = None
+    kv: Ring | None = None
+    score: Ring | None = None
 
     @property
     def num_entries(self) -> int:
@@ -85,80 +85,102 @@ class SourceState:
 
     def rollback(self, old_len: int, new_len: int) -> None:
         """Forget the rows fed after ``new_len`` (of ``old_len``): entries and keys of groups that are no
-        longer complete, and the incomplete group's projections rebuilt from the recent ring."""
+        longer complete; the incomplete group's projections stay in the rings."""
         r, n = self.ratio, new_len // self.ratio
         self.entries.truncate(n)
         self.keys.truncate(n)
         if r == 1:
             return
-        have = 0 if self.recent_kv is None else self.recent_kv.shape[0]
-        first = old_len - have  # position of recent row 0
-        if n * r < first:
-            raise RuntimeError(f"rollback to {new_len} needs projections from {n * r}; the ring starts at {first}")
-        lo, hi = n * r - first, new_len - first
-        self.tail_kv, self.tail_score = self.recent_kv[lo:hi], self.recent_score[lo:hi]
-        self.recent_kv, self.recent_score = self.recent_kv[:hi], self.recent_score[:hi]
+        if n * r < self.kv.lo:
+            raise RuntimeError(f"rollback to {new_len} needs projections from {n * r}; the ring starts at {self.kv.lo}")
+        self.kv.rollback(old_len - new_len)
+        self.score.rollback(old_len - new_len)
 
 
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
+def v41_slot_specs(cfg: DeepseekV41Config, dtype: torch.dtype, backtrack: int = 0) -> list[SlotSpec]:
+    """The fixed buffers of one request: window rings [W - 1 + B, D] per layer and DSpark context rings
+    [W + B, D] per stage in ``dtype``; projection rings (kv, score) [ratio - 1 + B, D] fp32 per ratio > 1 KV
+    source; the Engram lookback [n - 1, 1] int64 (compressed ids) when the model has Engram layers."""
+    w, d, b = cfg.sliding_window, cfg.head_dim, backtrack
+    specs = [SlotSpec(("window", i), "window latents", w - 1 + b, d, dtype) for i in range(cfg.num_hidden_layers)]
+    for src in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratio(src)
+        if r > 1:
+            tail = "compressor tails (fp32)"
+            specs += [SlotSpec((part, src), tail, r - 1 + b, d, torch.float32) for part in ("kv", "score")]
+    if cfg.engram_layer_ids:
+        specs.append(SlotSpec(("engram",), "Engram lookback", cfg.engram_max_ngram_size - 1, 1, torch.int64))
+    specs += [SlotSpec(("dspark", k), "DSpark context", w + b, d, dtype) for k in range(cfg.num_nextn_predict_layers)]
+    return specs
 
 
 @dataclass
 class V41SequenceCache:
-    """One request's state: window tails per layer, source states, Engram lookback, DSpark context rows.
+    """One request's state: window rings per layer, source states, Engram lookback, DSpark context rings.
 
-    windows[l]: [<= W-1, D] newest window latents of layer l (positions seq_len - len .. seq_len - 1);
-    in compact YOCO mode decoder layers hold only rows at or after the floor.
-    dspark_ctx[s]: [<= W, D] newest DSpark stage-s context keys (positions ctx_end - len .. ctx_end - 1).
+    The fixed-size state lives in ``slots`` (a slot of a ``slot_pool.SlotPool`` made from ``v41_slot_specs``):
+    windows[l]: ring [W - 1 + B, D] of layer l's window latents by position (the W - 1 a query attends to before
+    its own position, B more for rollback); in compact YOCO mode decoder layers hold only rows at or after the
+    floor. dspark_ctx[s]: ring [W + B, D] of DSpark stage-s context keys (positions .. ctx_end - 1).
+    engram_history: [1, n - 1] compressed ids of the last positions (None before the first chunk).
     new_rows(key, ratio) makes the growing stores: standalone tensors by default, pool pages in the engine.
-    The model replaces these tensors rather than writing into them, which is what makes ``snapshot`` cheap.
     """
 
-    windows: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: SlotState
     sources: dict[int, SourceState] = field(default_factory=dict)
-    engram_history: torch.Tensor | None = None
-    dspark_ctx: dict[int, torch.Tensor] = field(default_factory=dict)
     ctx_end: int = 0
     seq_len: int = 0
     new_rows: Callable[[object, int], RowStore] = field(default=lambda key, ratio: TensorRows(), repr=False)
     backtrack: int = 0  # B: tokens a speculative step may roll back; rings keep B rows beyond their need
+    has_history: bool = False  # the Engram lookback has been written
+
+    def __post_init__(self):
+        rings = self.slots.rings
+        self.windows = {key[1]: ring for key, ring in rings.items() if key[0] == "window"}
+        self.dspark_ctx = {key[1]: ring for key, ring in rings.items() if key[0] == "dspark"}
+
+    @property
+    def engram_history(self) -> torch.Tensor | None:
+        if not self.has_history or ("engram",) not in self.slots:
+            return None
+        return self.slots[("engram",)].buf.view(1, -1)
+
+    @engram_history.setter
+    def engram_history(self, history: torch.Tensor) -> None:
+        """Store the lookback [1, n - 1] in the slot (the model computes it with ``engram_next_history``)."""
+        if ("engram",) in self.slots:
+            self.slots[("engram",)].buf.view(1, -1).copy_(history)
+        self.has_history = True
 
     def source(self, layer: int, ratio: int) -> SourceState:
         src = self.sources.get(layer)
         if src is None:
             entries, keys = self.new_rows(("kv", layer), ratio), self.new_rows(("idx", layer), ratio)
-            src = self.sources[layer] = SourceState(entries, keys, ratio)
+            kv, score = (self.slots[("kv", layer)], self.slots[("score", layer)]) if ratio > 1 else (None, None)
+            src = self.sources[layer] = SourceState(entries, keys, ratio, kv, score)
         return src
 
+    def release(self) -> None:
+        """Give the slot back (the request finished or was preempted)."""
+        self.slots.release()
+
     def snapshot(self) -> CacheSnapshot:
-        """The fixed-size state at this point, cloned compact; growing stores by length only (their
-        rows stay in the shared pool blocks the prefix cache keeps)."""
-        fixed = V41SequenceCache(
-            windows={k: v.clone() for k, v in self.windows.items()},
-            engram_history=_clone(self.engram_history),
-            dspark_ctx={k: v.clone() for k, v in self.dspark_ctx.items()},
-            ctx_end=self.ctx_end,
-            seq_len=self.seq_len,
-        )
-        tails = {k: (_clone(s.tail_kv), _clone(s.tail_score)) for k, s in self.sources.items()}
+        """The slot copied into a snapshot slot; growing stores by length only (their rows stay in the shared
+        pool blocks the prefix cache keeps)."""
+        meta = {"ctx_end": self.ctx_end, "seq_len": self.seq_len, "has_history": self.has_history}
         lengths = {k: (s.ratio, len(s.entries)) for k, s in self.sources.items()}
-        return CacheSnapshot(fixed, tails, lengths)
+        return CacheSnapshot(self.slots.copy_to("snapshot"), meta, lengths)
 
     @classmethod
     def restore(
         cls, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore], backtrack: int = 0
     ) -> V41SequenceCache:
-        """A cache continuing from ``snap`` whose growing stores resume at the snapshot's lengths."""
-        f = snap.fixed
-        cache = cls(dict(f.windows), {}, f.engram_history, dict(f.dspark_ctx), f.ctx_end, f.seq_len, new_rows)
-        cache.backtrack = backtrack
+        """A cache continuing from ``snap`` in a new request slot, its growing stores resumed at their lengths."""
+        cache = cls(snap.slots.copy_to("request"), new_rows=new_rows, backtrack=backtrack, **snap.meta)
         for layer, (ratio, n) in snap.lengths.items():
             src = cache.source(layer, ratio)
             src.entries.resume(n)
             src.keys.resume(n)
-            src.tail_kv, src.tail_score = snap.tails[layer]
-            src.recent_kv, src.recent_score = snap.tails[layer]  # the ring restarts at the group start
         return cache
 
     def rollback(self, num_tokens: int, engram_history: torch.Tensor | None) -> None:
@@ -172,13 +194,12 @@ class V41SequenceCache:
                 f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {self.backtrack}"
             )
         old, new = self.seq_len, self.seq_len - num_tokens
-        for layer, w in self.windows.items():
-            self.windows[layer] = w[: max(w.shape[0] - num_tokens, 0)]
+        for ring in self.windows.values():
+            ring.rollback(num_tokens)
         for src in self.sources.values():
             src.rollback(old, new)
-        for k, ctx in self.dspark_ctx.items():
-            drop = max(self.ctx_end - new, 0)
-            self.dspark_ctx[k] = ctx[: max(ctx.shape[0] - drop, 0)]
+        for ring in self.dspark_ctx.values():
+            ring.rollback(max(self.ctx_end - new, 0))
         self.ctx_end = min(self.ctx_end, new)
         self.engram_history, self.seq_len = engram_history, new
 
@@ -386,20 +407,20 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(1))
 
     # --- incremental driver ------------------------------------------------------------------------------
-    def feed_compressor(self, x: torch.Tensor, pos: torch.Tensor, src: SourceState, backtrack: int = 0) -> None:
+    def feed_compressor(self, x: torch.Tensor, pos: torch.Tensor, src: SourceState) -> None:
         """Append the chunk's rows to this KV source; publish every completed group."""
         kv, score = self.compressor.project(x)
         r = self.ratio
         if r == 1:
             latent, group_pos = kv, pos
         else:
-            if backtrack:  # the projections a rollback of up to B rows needs to rebuild the tail
-                keep = r - 1 + backtrack
-                src.recent_kv = cat_rows(src.recent_kv, kv)[-keep:]
-                src.recent_score = cat_rows(src.recent_score, score)[-keep:]
-            kv, score = cat_rows(src.tail_kv, kv), cat_rows(src.tail_score, score)
+            # the source is fed every row in order: the chunk follows the rings' end
+            start, group_start = src.kv.end, src.num_entries * r
+            held_kv, held_score = src.kv.read(group_start, start), src.score.read(group_start, start)
+            src.kv.write(start, kv)  # after the reads: a long chunk overwrites the ring
+            src.score.write(start, score)
+            kv, score = torch.cat([held_kv, kv]), torch.cat([held_score, score])
             usable = kv.shape[0] // r * r
-            src.tail_kv, src.tail_score = kv[usable:], score[usable:]
             if not usable:
                 return
             latent = self.compressor.pool(
@@ -415,7 +436,7 @@ class Attention(nn.Module):
         (all rows of the chunk, also in compact YOCO mode). ``shared`` carries top-k / candidates from
         sources to consumers within this step."""
         if self.kv_source == self.layer:
-            self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio), cache.backtrack)
+            self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio))
         if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
             return x.new_zeros(0, self.cfg.hidden_size)
         qr, q = self.query(x, pos)
@@ -423,14 +444,10 @@ class Attention(nn.Module):
         return self.attend_cached(x, qr, q, rows, first, pos, floor, cache, shared)
 
     def append_window(self, cache: V41SequenceCache, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
-        """Append window latents kv [S, D] of positions start.. to the cache's window: returns the rows [window |
-        kv] and the position of their row 0. The cache keeps the last W - 1 rows to attend to, and B more to
-        roll back into (speculative decoding)."""
-        old = cache.windows.get(self.layer)
-        rows = cat_rows(old, kv)
-        keep = self.window - 1 + cache.backtrack
-        cache.windows[self.layer] = rows[-keep:] if keep > 0 else rows[:0]
-        return rows, start - (0 if old is None else old.shape[0])
+        """Append window latents kv [S, D] of positions start.. to the cache's window ring: returns the rows [held
+        window rows | kv] the queries attend over and the position of their row 0. The ring keeps the last W - 1
+        rows to attend to, and B more to roll back into (speculative decoding): ``slot_pool.append_window``."""
+        return append_window(cache.windows[self.layer], kv, self.window, start)
 
     def attend_cached(self, x, qr, q, rows, first: int, pos, floor, cache: V41SequenceCache, shared: dict):
         """Queries of rows x [S, d] (qr, q from ``query``) at ``pos`` against window ``rows`` (row 0 at position
@@ -633,12 +650,23 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
 
+    def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
+        """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens."""
+        return v41_slot_specs(self.cfg, self.dtype, backtrack)
+
     def new_cache(
-        self, new_rows: Callable[[object, int], RowStore] | None = None, backtrack: int = 0
+        self,
+        new_rows: Callable[[object, int], RowStore] | None = None,
+        backtrack: int = 0,
+        slots: SlotState | None = None,
     ) -> V41SequenceCache:
-        """An empty request cache; ``new_rows`` makes its growing stores (default: standalone tensors);
-        ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up to B tokens."""
-        cache = V41SequenceCache(backtrack=backtrack)
+        """An empty request cache; ``new_rows`` makes its growing stores (default: standalone tensors); ``slots``
+        holds its fixed-size state (a request slot of the engine's pool made from ``slot_specs(backtrack)``;
+        default: a private one-slot pool); ``backtrack`` B sizes the rings so that ``rollback_cache`` can undo up
+        to B tokens."""
+        if slots is None:
+            slots = SlotPool.private(self.slot_specs(backtrack), self.embed.weight.device)
+        cache = V41SequenceCache(slots, backtrack=backtrack)
         if new_rows is not None:
             cache.new_rows = new_rows
         return cache
@@ -646,6 +674,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def restore_cache(
         self, snap: CacheSnapshot, new_rows: Callable[[object, int], RowStore], backtrack: int = 0
     ) -> V41SequenceCache:
+        """A cache continuing from prefix snapshot ``snap`` (copied into a new request slot of its pool)."""
         return V41SequenceCache.restore(snap, new_rows, backtrack)
 
     def rollback_cache(self, cache: V41SequenceCache, num_tokens: int, token_ids: Callable[[int, int], list[int]]):
@@ -809,12 +838,12 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def _write_dspark_context(self, feat: torch.Tensor, pos: torch.Tensor, cache: V41SequenceCache) -> None:
         """Each stage's context key for target rows ``pos`` (spec procedure D step 1)."""
+        if not pos.numel():
+            return
+        start = int(pos[0])
         for k, stage in enumerate(self.mtp):
-            kv = stage.attn.window_kv(feat, pos)
-            old = cache.dspark_ctx.get(k)
-            cache.dspark_ctx[k] = cat_rows(old, kv)[-(stage.attn.window + cache.backtrack) :]
-        if pos.numel():
-            cache.ctx_end = int(pos[-1]) + 1
+            cache.dspark_ctx[k].write(start, stage.attn.window_kv(feat, pos))
+        cache.ctx_end = start + pos.numel()
 
     @torch.no_grad()
     def dspark_hidden(self, anchors: torch.Tensor, caches: list[V41SequenceCache]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -838,7 +867,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
             pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, dev)
             for k, stage in enumerate(self.mtp):
-                ctx = cache.dspark_ctx.get(k, x.new_zeros(0, cfg.head_dim))[-stage.attn.window :]
+                ring = cache.dspark_ctx[k]
+                ctx = ring.read(max(ring.lo, ring.end - stage.attn.window), ring.end)
                 x, pre_mix = stage.run(x, pre_mix, partial(stage.block_attention, pos=pos, ctx=ctx))
             h = mhc_collapse(x, pre_mix)
             bases.append(linear(self.mtp[-1].norm(h).float(), self.head.weight.float()))
@@ -904,19 +934,19 @@ __all__ = ["DeepseekV41ForCausalLM", "V41SequenceCache", "DraftBlock", "TRUNCATI
 
 
 def v41_cache_layout(cfg: DeepseekV41Config, dtype: torch.dtype, backtrack: int = 0) -> CacheLayout:
-    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``; the
-    packed GPU records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``). ``backtrack`` B: the rings'
-    extra rows for speculative rollback (windows W - 1 + B, compressor projections ratio - 1 + B more)."""
+    """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``; the packed GPU
+    records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``): what one slot of the ``slot_pool`` holds.
+    ``backtrack`` B: the rings' extra rows for speculative rollback (windows W - 1 + B, DSpark context W + B,
+    compressor projections ratio - 1 + B)."""
     e = torch.finfo(dtype).bits // 8
     w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     sources = [(layer, cfg.compress_ratio(layer)) for layer in cfg.kv_source_layer_ids]
-    ring = sum((r - 1 + b) * 2 * d * 4 for _, r in sources if r > 1) if b else 0
     return CacheLayout(
         (
             CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
             CacheKind("compressed KV", sum(d * e / r for _, r in sources), 0),
             CacheKind("index keys", sum(dh * e / r for _, r in sources), 0),
-            CacheKind("compressor tails (fp32)", 0, sum((r - 1) * 2 * d * 4 for _, r in sources) + ring),
+            CacheKind("compressor tails (fp32)", 0, sum((r - 1 + b) * 2 * d * 4 for _, r in sources if r > 1)),
             CacheKind("Engram lookback", 0, (cfg.engram_max_ngram_size - 1) * 8 if cfg.engram_layer_ids else 0),
             CacheKind("DSpark context", 0, cfg.num_nextn_predict_layers * (w + b) * d * e),
         )

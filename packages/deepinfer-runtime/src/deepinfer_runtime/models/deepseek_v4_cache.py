@@ -1,22 +1,23 @@
 """Per-request state of the DeepSeek-V4 model.
 
-One ``SequenceCache`` per request holds, per layer, the sliding-window tail and each compressor's
-state. The model appends to it as it runs, so a full forward, chunked prefill and token-by-token
-decode are the same code path. Compressed entries are row stores (``kv_pool``): standalone tensors by
-default, pool blocks under the engine. The model replaces the fixed-size tensors rather than writing
-into them, which is what makes ``snapshot`` (prefix caching) a cheap clone.
+One ``SequenceCache`` per request holds, per layer, the sliding-window latents and each compressor's state.
+The model appends to it as it runs, so a full forward, chunked prefill and token-by-token decode are the same
+code path. Compressed entries are row stores (``kv_pool``): standalone tensors by default, pool blocks under
+the engine. The fixed-size state lives in one slot of a ``slot_pool.SlotPool`` (the engine's, or a private
+one-slot pool), as rings written in place by position; ``snapshot`` copies the slot on the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from deepinfer_runtime.kv_pool import CacheSnapshot, RowStore, TensorRows
-from deepinfer_runtime.models.layers import cat_rows
+from deepinfer_runtime.kv_pool import RowStore, TensorRows
+from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from deepinfer_runtime.models.deepseek_v4_mtp import MTP_STREAMS, MTP_WINDOW, MTPState
+from deepinfer_runtime.slot_pool import CacheSnapshot, Ring, SlotSpec, SlotState, append_window
 
 RowFactory = Callable[[object, int], RowStore]
 
@@ -25,124 +26,154 @@ def _standalone(key: object, ratio: int) -> RowStore:
     return TensorRows()
 
 
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
+@dataclass(frozen=True)
+class CompressorPlan:
+    """One compressor of the model: ``ratio``, projection width C' (2 x entry width with overlap) and the width
+    of the carried A-halves (``prev_width``, overlapping CSA; 0 without overlap)."""
+
+    ratio: int
+    width: int
+    prev_width: int
+
+    def ring_rows(self, backtrack: int) -> int:
+        """ratio - 1 rows of the incomplete group, ratio more with overlap (the previous window), B for rollback."""
+        return self.ratio - 1 + (self.ratio if self.prev_width else 0) + backtrack
+
+
+def v4_compressors(cfg: DeepseekV4Config) -> dict[tuple[str, int], CompressorPlan]:
+    """("comp" | "idx", layer) -> plan, for every compressor of the backbone (HCA, CSA and its indexer)."""
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        kind = cfg.layer_types[i]
+        if kind == SLIDING:
+            continue
+        csa = kind == CSA
+        d = cfg.head_dim
+        out[("comp", i)] = CompressorPlan(cfg.compress_rates[kind], 2 * d if csa else d, d if csa else 0)
+        if csa:
+            dh = cfg.index_head_dim
+            out[("idx", i)] = CompressorPlan(cfg.compress_rates[CSA], 2 * dh, dh)
+    return out
+
+
+def v4_slot_specs(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False) -> list[SlotSpec]:
+    """The fixed buffers of one request: per layer the window ring [W - 1 + B, head_dim] in ``dtype``; per
+    compressor the projection rings (kv, score) [``ring_rows``, C'] fp32; with ``mtp`` the MTP layer's window ring
+    and the ring of backbone streams it drafts from [W + B, hc_mult * hidden] (``deepseek_v4_mtp``)."""
+    specs = [
+        SlotSpec(("window", i), "window latents", cfg.sliding_window - 1 + backtrack, cfg.head_dim, dtype)
+        for i in range(cfg.num_hidden_layers)
+    ]
+    for key, plan in v4_compressors(cfg).items():
+        for part in ("kv", "score"):
+            specs.append(
+                SlotSpec((*key, part), "compressor state (fp32)", plan.ring_rows(backtrack), plan.width, torch.float32)
+            )
+    if mtp:
+        w, b = cfg.sliding_window, backtrack
+        specs.append(SlotSpec(MTP_WINDOW, "MTP window latents", w - 1 + b, cfg.head_dim, dtype))
+        specs.append(SlotSpec(MTP_STREAMS, "MTP backbone streams", w + b, cfg.hc_mult * cfg.hidden_size, dtype))
+    return specs
 
 
 @dataclass
 class CompressorState:
     """A compressor's carried state for one request.
 
-    pending_kv/pending_score: [p, C'] projected rows of the incomplete group (p < ratio).
-    prev_kv/prev_score: [ratio, C] A-halves of the last complete window (overlapping CSA only).
+    kv / score: rings of the projected rows [R, C'] fp32 (score with the position bias) by position, R =
+    ``plan.ring_rows(B)``: the incomplete group (positions num_entries * ratio ..), with overlap the previous
+    window too (whose A-halves [:, :prev_width] the next group reads), and B rows for rollback.
     entries: [N, C] compressed entries emitted so far (post-norm, post-RoPE), a row store made by
     ``new_rows(key, ratio)`` on first use.
     """
 
-    key: object = None
+    key: object
+    kv: Ring
+    score: Ring
+    plan: CompressorPlan
     new_rows: RowFactory = field(default=_standalone, repr=False)
-    pending_kv: torch.Tensor | None = None
-    pending_score: torch.Tensor | None = None
-    prev_kv: torch.Tensor | None = None
-    prev_score: torch.Tensor | None = None
     entries: RowStore | None = None
-    ratio: int = 0
-    backtrack: int = 0  # B > 0: keep the projections a rollback of up to B rows needs (recent_*)
-    recent_kv: torch.Tensor | None = None  # [<= 2*ratio - 1 + B, C] the last projected rows
-    recent_score: torch.Tensor | None = None
-    prev_width: int = 0  # C of prev_kv (overlapping CSA), 0 without overlap
 
-    def remember(self, kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap_width: int) -> None:
-        """Record freshly projected rows in the rollback ring (only when B > 0)."""
-        if self.backtrack:
-            self.ratio = ratio
-            keep = (2 if overlap_width else 1) * ratio - 1 + self.backtrack  # + the previous window
-            self.recent_kv = cat_rows(self.recent_kv, kv)[-keep:]
-            self.recent_score = cat_rows(self.recent_score, score)[-keep:]
-            self.prev_width = overlap_width
-
-    def rollback(self, old_len: int, new_len: int) -> None:
-        """Forget the rows fed after ``new_len`` (of ``old_len``): entries of groups no longer complete; the
-        pending group and the previous window's A-halves rebuilt from the ring."""
-        if not self.ratio:  # never fed
-            return
-        r = self.ratio
-        n = new_len // r
-        if self.entries is not None:
-            self.entries.truncate(n)
-        have = 0 if self.recent_kv is None else self.recent_kv.shape[0]
-        first = old_len - have  # position of recent row 0
-        need = (n - 1) * r if self.prev_width and n else n * r
-        if need < first:
-            raise RuntimeError(f"rollback to {new_len} needs projections from {need}; the ring starts at {first}")
-        lo, hi = n * r - first, new_len - first
-        self.pending_kv, self.pending_score = self.recent_kv[lo:hi], self.recent_score[lo:hi]
-        if self.prev_width:
-            prev = slice(lo - r, lo)
-            self.prev_kv = self.recent_kv[prev, : self.prev_width] if n else None
-            self.prev_score = self.recent_score[prev, : self.prev_width] if n else None
-        self.recent_kv, self.recent_score = self.recent_kv[:hi], self.recent_score[:hi]
-
-    def store(self, ratio: int) -> RowStore:
-        if self.entries is None:
-            self.entries, self.ratio = self.new_rows(self.key, ratio), ratio
-        return self.entries
+    @property
+    def ratio(self) -> int:
+        return self.plan.ratio
 
     @property
     def num_entries(self) -> int:
         return 0 if self.entries is None else len(self.entries)
 
-    def tail(self) -> tuple:
-        return tuple(_clone(t) for t in (self.pending_kv, self.pending_score, self.prev_kv, self.prev_score))
+    def carried(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(pending kv, pending score) of the incomplete group [p, C'] and, with overlap, the previous window's
+        A-halves (prev kv, prev score) [ratio, prev_width] (None before the first complete window)."""
+        r, n, end = self.ratio, self.num_entries, self.kv.end
+        pending = self.kv.read(n * r, end), self.score.read(n * r, end)
+        if not (self.plan.prev_width and n):
+            return (*pending, None, None)
+        w = self.plan.prev_width
+        return (*pending, self.kv.read((n - 1) * r, n * r)[:, :w], self.score.read((n - 1) * r, n * r)[:, :w])
+
+    def write(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Record freshly projected rows [S, C'] (the compressor is fed every row in order: they follow the
+        ring's end)."""
+        start = self.kv.end
+        self.kv.write(start, kv)
+        self.score.write(start, score)
+
+    def rollback(self, old_len: int, new_len: int) -> None:
+        """Forget the rows fed after ``new_len`` (of ``old_len``): entries of groups no longer complete; the
+        pending group and the previous window stay in the rings."""
+        r = self.ratio
+        n = new_len // r
+        if self.entries is not None:
+            self.entries.truncate(n)
+        need = (n - 1) * r if self.plan.prev_width and n else n * r
+        if need < self.kv.lo:
+            raise RuntimeError(f"rollback to {new_len} needs projections from {need}; the ring starts at {self.kv.lo}")
+        self.kv.rollback(old_len - new_len)
+        self.score.rollback(old_len - new_len)
+
+    def store(self) -> RowStore:
+        if self.entries is None:
+            self.entries = self.new_rows(self.key, self.ratio)
+        return self.entries
 
 
 @dataclass
 class LayerCache:
-    """window: [<= window-1, D] the newest post-RoPE latents (positions seq_len-len .. seq_len-1)."""
+    """window: ring [W - 1 + B, D] of the newest post-RoPE latents; compressor / indexer: None on layers
+    without them."""
 
-    window: torch.Tensor | None = None
-    compressor: CompressorState = field(default_factory=CompressorState)
-    indexer: CompressorState = field(default_factory=CompressorState)
-    backtrack: int = 0  # the window keeps B rows beyond the W - 1 it attends to (speculative rollback)
+    window: Ring
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
 
     def append_window(self, kv: torch.Tensor, window: int, start: int) -> tuple[torch.Tensor, int]:
-        """Append latents kv [S, D] of positions start..; returns rows [window | kv] and the position of their
-        row 0. Keeps the last W - 1 rows to attend to and B more to roll back into."""
-        rows = cat_rows(self.window, kv)
-        keep = window - 1 + self.backtrack
-        self.window = rows[-keep:] if keep > 0 else rows[:0]
-        return rows, start - (rows.shape[0] - kv.shape[0])
-
-    def drop_window(self, num_tokens: int) -> None:
-        """Forget the newest ``num_tokens`` window rows (rolled-back tokens)."""
-        if self.window is not None:
-            self.window = self.window[: max(self.window.shape[0] - num_tokens, 0)]
+        """Append latents kv [S, D] of positions start..; returns the rows [held window rows | kv] the queries
+        attend over and the position of their row 0 (``slot_pool.append_window``)."""
+        return append_window(self.window, kv, window, start)
 
 
 @dataclass
 class SequenceCache:
     layers: list[LayerCache]
+    slots: SlotState
     seq_len: int = 0
-    mtp: Any = None  # the MTP layer's ``MTPState`` when the model drafts with it (deepseek_v4_mtp)
+    backtrack: int = 0  # B: tokens a speculative step may roll back; rings keep B rows beyond their need
+    mtp: MTPState | None = None  # the MTP layer's drafting state, when the slot has its rings
 
     @classmethod
-    def empty(cls, num_layers: int, new_rows: RowFactory | None = None, backtrack: int = 0) -> SequenceCache:
-        """``backtrack`` B sizes the rings so that ``rollback`` can undo up to B tokens."""
+    def empty(
+        cls, cfg: DeepseekV4Config, slots: SlotState, new_rows: RowFactory | None = None, backtrack: int = 0
+    ) -> SequenceCache:
+        """A cache over ``slots`` (a slot of a pool made from ``v4_slot_specs(cfg, dtype, backtrack)``); ``backtrack``
+        B sizes the rings so that ``rollback`` can undo up to B tokens."""
         rows = new_rows or _standalone
-        return cls(
-            [
-                LayerCache(
-                    compressor=CompressorState(("comp", i), rows, backtrack=backtrack),
-                    indexer=CompressorState(("idx", i), rows, backtrack=backtrack),
-                    backtrack=backtrack,
-                )
-                for i in range(num_layers)
-            ]
-        )
-
-    @property
-    def backtrack(self) -> int:
-        return self.layers[0].backtrack if self.layers else 0
+        layers = [LayerCache(slots[("window", i)]) for i in range(cfg.num_hidden_layers)]
+        for (name, i), plan in v4_compressors(cfg).items():
+            state = CompressorState((name, i), slots[(name, i, "kv")], slots[(name, i, "score")], plan, rows)
+            setattr(layers[i], "compressor" if name == "comp" else "indexer", state)
+        mtp = MTPState(LayerCache(slots[MTP_WINDOW]), slots[MTP_STREAMS]) if MTP_WINDOW in slots else None
+        return cls(layers, slots, backtrack=backtrack, mtp=mtp)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` tokens (rejected drafts), at most B: the state becomes exactly that
@@ -155,44 +186,35 @@ class SequenceCache:
             )
         old, new = self.seq_len, self.seq_len - num_tokens
         for lc in self.layers:
-            lc.drop_window(num_tokens)
-        for _, state in self._states():
+            lc.window.rollback(num_tokens)
+        for state in self._states():
             state.rollback(old, new)
         self.seq_len = new
 
     def _states(self):
-        for i, lc in enumerate(self.layers):
-            yield ("comp", i), lc.compressor
-            yield ("idx", i), lc.indexer
+        for lc in self.layers:
+            yield from (s for s in (lc.compressor, lc.indexer) if s is not None)
+
+    def release(self) -> None:
+        """Give the slot back (the request finished or was preempted)."""
+        self.slots.release()
 
     def snapshot(self) -> CacheSnapshot:
-        """Windows and compressor tails cloned; entries by (ratio, length) only (they stay in the pool)."""
-        mtp = None if self.mtp is None else self.mtp.clone()
-        fixed = SequenceCache([LayerCache(window=_clone(lc.window)) for lc in self.layers], self.seq_len, mtp)
-        tails = {k: s.tail() for k, s in self._states()}
-        lengths = {k: (s.ratio, s.num_entries) for k, s in self._states() if s.entries is not None}
-        return CacheSnapshot(fixed, tails, lengths)
+        """The slot copied into a snapshot slot; entries by (ratio, length) only (they stay in the pool)."""
+        lengths = {s.key: (s.ratio, s.num_entries) for s in self._states() if s.entries is not None}
+        meta = {"seq_len": self.seq_len, "mtp_seq_len": None if self.mtp is None else self.mtp.seq_len}
+        return CacheSnapshot(self.slots.copy_to("snapshot"), meta, lengths)
 
     @classmethod
-    def restore(cls, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0) -> SequenceCache:
-        cache = cls.empty(len(snap.fixed.layers), new_rows, backtrack)
-        cache.seq_len = snap.fixed.seq_len
-        cache.mtp = None if snap.fixed.mtp is None else snap.fixed.mtp.clone()
-        for lc, old in zip(cache.layers, snap.fixed.layers):
-            lc.window = old.window
-        for key, state in cache._states():
-            state.pending_kv, state.pending_score, state.prev_kv, state.prev_score = snap.tails[key]
-            state.recent_kv, state.recent_score = state.pending_kv, state.pending_score
-            if backtrack and state.prev_kv is not None:  # the ring also holds the previous window (A-halves)
-                state.prev_width = w = state.prev_kv.shape[1]
-                kv, score = (
-                    torch.nn.functional.pad(state.prev_kv, (0, w)),
-                    torch.nn.functional.pad(state.prev_score, (0, w)),
-                )
-                if state.pending_kv is not None:
-                    kv, score = torch.cat([kv, state.pending_kv]), torch.cat([score, state.pending_score])
-                state.recent_kv, state.recent_score = kv, score
-            if key in snap.lengths:
-                ratio, n = snap.lengths[key]
-                state.store(ratio).resume(n)
+    def restore(
+        cls, cfg: DeepseekV4Config, snap: CacheSnapshot, new_rows: RowFactory, backtrack: int = 0
+    ) -> SequenceCache:
+        """A cache continuing from ``snap`` in a new request slot, its entry stores resumed at their lengths."""
+        cache = cls.empty(cfg, snap.slots.copy_to("request"), new_rows, backtrack)
+        cache.seq_len = snap.meta["seq_len"]
+        if cache.mtp is not None:
+            cache.mtp.seq_len = snap.meta["mtp_seq_len"]
+        for state in cache._states():
+            if state.key in snap.lengths:
+                state.store().resume(snap.lengths[state.key][1])
         return cache

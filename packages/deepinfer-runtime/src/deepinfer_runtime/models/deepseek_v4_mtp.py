@@ -13,21 +13,25 @@ on itself: the next row takes its own output streams X1 as X_main and the draft 
 
 Work per draft step is small because only the last W rows matter: the layer attends to a window of W positions
 and a row's key depends on that row alone (its X0), so rows older than W - 1 positions before the newest one can
-never be read again. ``MTPState`` therefore keeps the backbone streams not yet run through the layer (at most W
-rows: older ones are skipped) and the layer's window ring; the layer runs the rows whose next token is known
-when drafting, i.e. after the step's tokens were accepted, so rejected drafts never enter its cache.
+never be read again. ``MTPState`` therefore keeps the newest W + B backbone streams and the layer's window ring
+(two rings of the request's cache slot, ``slot_pool``); the layer runs the rows whose next token is known when
+drafting, i.e. after the step's tokens were accepted, so rejected drafts never enter its cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from deepinfer_kernels import linear, mhc_collapse, mhc_head_weights
 
-from deepinfer_runtime.models.deepseek_v4_cache import LayerCache
 from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
-from deepinfer_runtime.models.layers import Linear, Norm, cat_rows
+from deepinfer_runtime.models.layers import Linear, Norm
+from deepinfer_runtime.slot_pool import Ring
+
+if TYPE_CHECKING:
+    from deepinfer_runtime.models.deepseek_v4_cache import LayerCache
 
 
 def head_logits(x: torch.Tensor, hc: tuple, norm: Norm, head: Linear, cfg: DeepseekV4Config) -> torch.Tensor:
@@ -37,62 +41,45 @@ def head_logits(x: torch.Tensor, hc: tuple, norm: Norm, head: Linear, cfg: Deeps
     return linear(norm(mhc_collapse(x, pre)).float(), head.weight.float())
 
 
+MTP_WINDOW, MTP_STREAMS = ("mtp", "window"), ("mtp", "streams")  # slot keys of the two rings (``v4_slot_specs``)
+
+
 @dataclass
 class MTPState:
-    """One request's MTP state.
+    """One request's MTP state, two rings of its cache slot.
 
-    pending: [p, n, d] backbone streams (model dtype) of positions ``pending_start`` .. ``pending_start + p - 1``,
-        the newest ones the backbone computed (at most ``keep`` = W + B rows; older rows are never needed).
-    window: the MTP block's window ring (W - 1 + B rows, B for the chained draft rows it takes back).
+    window: the MTP block's ``LayerCache`` (window ring [W - 1 + B, head_dim]; B for the chained draft rows it
+        takes back).
+    streams: ring [W + B, n * d] (model dtype) of the newest backbone streams by position (older rows are never
+        needed; a rollback of up to B positions still leaves the W the next draft's window reads).
     seq_len: positions run through the layer and kept (0 .. seq_len - 1).
     """
 
     window: LayerCache
-    pending: torch.Tensor | None = None
-    pending_start: int = 0
+    streams: Ring
     seq_len: int = 0
-    keep: int = 0  # W: the pending rows worth keeping
 
-    def push(self, streams: torch.Tensor, start: int) -> None:
-        """Backbone streams [S, n, d] of positions start .. start + S - 1 (a re-run position replaces its row)."""
-        extra = max(streams.shape[0] - self.keep, 0)
-        streams, start = streams[extra:], start + extra
-        if self.pending is not None:
-            kept = self.pending[: max(start - self.pending_start, 0)]
-            if self.pending_start + kept.shape[0] == start:  # contiguous: extend (else a gap: start over)
-                streams, start = cat_rows(kept, streams), self.pending_start
-        drop = max(streams.shape[0] - self.keep, 0)
-        self.pending, self.pending_start = streams[drop:], start + drop
+    def push(self, x: torch.Tensor, start: int) -> None:
+        """Backbone streams x [S, n, d] of positions start .. start + S - 1 (a gap starts the ring over)."""
+        self.streams.write(start, x.flatten(1))
 
     def truncate(self, num_tokens: int) -> None:
         """The backbone rolled back to ``num_tokens`` tokens: forget streams of later positions."""
-        if self.pending is not None:
-            self.pending = self.pending[: max(num_tokens - self.pending_start, 0)]
+        if self.streams.end > num_tokens:
+            self.streams.rollback(self.streams.end - num_tokens)
         if self.seq_len > num_tokens:  # never happens in the engine (the layer runs accepted rows only)
             raise RuntimeError(f"MTP state ran {self.seq_len} positions; cannot roll back to {num_tokens}")
 
-    def take(self, stop: int) -> tuple[torch.Tensor, int]:
-        """The pending streams of positions < ``stop`` not yet run, and the first one's position; a gap since the
-        last run row (skipped rows) restarts the window ring, whose rows could no longer be read anyway."""
-        if self.pending is None or self.pending_start + self.pending.shape[0] < stop:
-            have = 0 if self.pending is None else self.pending_start + self.pending.shape[0]
-            raise RuntimeError(f"MTP needs backbone streams up to position {stop - 1}; it has them up to {have - 1}")
-        first = max(self.seq_len, self.pending_start)
-        if first > self.seq_len:
-            self.window = LayerCache(backtrack=self.window.backtrack)
-        rows = self.pending[first - self.pending_start : stop - self.pending_start]
-        return rows, first
+    def take(self, stop: int, hc_mult: int) -> tuple[torch.Tensor, int]:
+        """The streams [k, n, d] of positions first .. stop - 1 not run through the layer yet, and ``first``. After
+        a gap (rows never kept) the window ring starts over too: its rows could no longer be read."""
+        if self.streams.end < stop:
+            have = self.streams.end - 1
+            raise RuntimeError(f"MTP needs backbone streams up to position {stop - 1}; it has them up to {have}")
+        first = max(self.seq_len, self.streams.lo)
+        rows = self.streams.read(first, stop)
+        return rows.view(rows.shape[0], hc_mult, -1), first
 
-    def clone(self) -> MTPState:
-        """An independent copy (prefix-cache snapshots and their restores)."""
-        ring = None if self.window.window is None else self.window.window.clone()
-        pending = None if self.pending is None else self.pending.clone()
-        return MTPState(
-            LayerCache(ring, backtrack=self.window.backtrack), pending, self.pending_start, self.seq_len, self.keep
-        )
-
-
-def mtp_state(cfg: DeepseekV4Config, backtrack: int) -> MTPState:
-    """An empty state. Pending keeps W + B rows: a rollback of up to B positions must leave the W that the
-    next draft's window reads."""
-    return MTPState(LayerCache(backtrack=backtrack), keep=cfg.sliding_window + backtrack)
+    def drop_chained(self, num_rows: int) -> None:
+        """Take the chained draft rows back out of the window ring."""
+        self.window.window.rollback(num_rows)

@@ -336,11 +336,16 @@ def build_random_model(
 def clone_state(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
     """A deep copy of a request cache in which every tensor is ``.clone()``d (a view of a larger buffer
     becomes a compact tensor of its own, unlike ``copy.deepcopy``, which copies the whole storage).
-    Functions and other immutable leaves are shared."""
+    Functions and other immutable leaves (frozen dataclasses such as ``SlotSpec``) are shared. A cache over a
+    slot of a ``SlotPool`` gets a copy of the whole pool (clone caches of ``new_cache()``'s private one-slot pools),
+    its rings compact copies of their rows."""
     memo = {} if _memo is None else _memo
     if id(obj) in memo:
         return memo[id(obj)]
-    if isinstance(obj, torch.Tensor):
+    frozen = dataclasses.is_dataclass(obj) and obj.__dataclass_params__.frozen
+    if frozen:
+        out = obj
+    elif isinstance(obj, torch.Tensor):
         out = obj.clone()
     elif isinstance(obj, dict):
         out = {k: clone_state(v, memo) for k, v in obj.items()}
