@@ -52,6 +52,21 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+def prefill_record(tokens: int, seconds: float, flops: float, bf16_flops_per_s: float, **extra) -> dict:
+    """One batch-1 prefill measurement against its tensor-core floor (flops at the measured bf16 rate)."""
+    floor = flops / bf16_flops_per_s
+    return dict(
+        batch=1,
+        tokens=tokens,
+        seconds=seconds,
+        tok_s=tokens / seconds,
+        flops=flops,
+        floor_s=floor,
+        pct_of_floor=100 * floor / seconds,
+        **extra,
+    )
+
+
 def timed(fn, dev, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -347,18 +362,7 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
     if times:
         t = times[-1]
         floor = flops / bf16
-        row = dict(
-            batch=1,
-            tokens=s,
-            seconds=t,
-            tok_s=s / t,
-            flops=flops,
-            floor_s=floor,
-            pct_of_floor=100 * floor / t,
-            first_run_s=times[0],
-            yoco_keep=keep,
-        )
-        rec["prefill"].append(row)
+        rec["prefill"].append(prefill_record(s, t, flops, bf16, first_run_s=times[0], yoco_keep=keep))
         log(
             f"{label} prefill {s} tok: {t * 1e3:.0f} ms ({s / t:.0f} tok/s), floor {floor * 1e3:.1f} ms "
             f"({flops / 1e12:.1f} TFLOP at {ceil['bf16_TFLOPs']:.0f} TFLOP/s) = {100 * floor / t:.1f}% of floor"
@@ -386,18 +390,7 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
             continue
         rate = ctx / t
         pf = acct.prefill_flops(ctx, keep)
-        rec["prefill"].append(
-            dict(
-                batch=1,
-                tokens=ctx,
-                context=ctx,
-                seconds=t,
-                tok_s=rate,
-                flops=pf,
-                floor_s=pf / bf16,
-                pct_of_floor=100 * pf / bf16 / t,
-            )
-        )
+        rec["prefill"].append(prefill_record(ctx, t, pf, bf16, context=ctx))
         log(f"{label} prefill batch 1 x {ctx}: {t:.2f} s ({rate:.0f} tok/s, {100 * pf / bf16 / t:.1f}% of floor)")
         for b in args.batches:
             if b == 1:
@@ -566,17 +559,7 @@ def bench_hf(hf, ours, args, ceil, acct, deadline, results) -> None:
                 t = timed(lambda: run_prefill(ids), dev, 1)[0]
                 flops = acct.prefill_flops(s, None)
                 floor = flops / (ceil["bf16_TFLOPs"] * 1e12)
-                rec["prefill"].append(
-                    dict(
-                        batch=1,
-                        tokens=s,
-                        seconds=t,
-                        tok_s=s / t,
-                        flops=flops,
-                        floor_s=floor,
-                        pct_of_floor=100 * floor / t,
-                    )
-                )
+                rec["prefill"].append(prefill_record(s, t, flops, ceil["bf16_TFLOPs"] * 1e12))
                 log(f"transformers prefill {s}: {t * 1e3:.0f} ms = {100 * floor / t:.1f}% of floor")
 
 

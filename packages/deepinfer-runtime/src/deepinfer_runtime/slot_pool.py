@@ -179,6 +179,12 @@ class CacheSnapshot:
         self.slots.release()
 
 
+def check_rollback(num_tokens: int, backtrack: int) -> None:
+    """A speculative rollback may undo at most the B tokens the rings keep spare rows for."""
+    if num_tokens > backtrack:
+        raise RuntimeError(f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {backtrack}")
+
+
 def append_window(ring: Ring, kv: torch.Tensor, window: int, start: int) -> tuple[torch.Tensor, int]:
     """Sliding-window append shared by the models: window latents kv [S, D] of positions start .. start + S - 1
     go into ``ring``; returns the rows their queries attend over, [held rows of the W - 1 positions before start

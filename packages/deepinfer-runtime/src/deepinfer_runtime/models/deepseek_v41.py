@@ -59,7 +59,15 @@ from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, param
-from deepinfer_runtime.slot_pool import CacheSnapshot, Ring, SlotPool, SlotSpec, SlotState, append_window
+from deepinfer_runtime.slot_pool import (
+    CacheSnapshot,
+    Ring,
+    SlotPool,
+    SlotSpec,
+    SlotState,
+    append_window,
+    check_rollback,
+)
 
 TRUNCATION_MODES = ("off", "mask", "compact")
 
@@ -189,10 +197,7 @@ class V41SequenceCache:
         kept sequence (the model recomputes it from the token ids)."""
         if not num_tokens:
             return
-        if num_tokens > self.backtrack:
-            raise RuntimeError(
-                f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {self.backtrack}"
-            )
+        check_rollback(num_tokens, self.backtrack)
         old, new = self.seq_len, self.seq_len - num_tokens
         for ring in self.windows.values():
             ring.rollback(num_tokens)

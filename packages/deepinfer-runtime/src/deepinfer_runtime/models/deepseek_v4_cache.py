@@ -17,7 +17,7 @@ import torch
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v4_mtp import MTP_STREAMS, MTP_WINDOW, MTPState
-from deepinfer_runtime.slot_pool import CacheSnapshot, Ring, SlotSpec, SlotState, append_window
+from deepinfer_runtime.slot_pool import CacheSnapshot, Ring, SlotSpec, SlotState, append_window, check_rollback
 
 RowFactory = Callable[[object, int], RowStore]
 
@@ -180,10 +180,7 @@ class SequenceCache:
         of a cache that never ran them."""
         if not num_tokens:
             return
-        if num_tokens > self.backtrack:
-            raise RuntimeError(
-                f"rollback of {num_tokens} tokens exceeds the cache's backtrack ring B = {self.backtrack}"
-            )
+        check_rollback(num_tokens, self.backtrack)
         old, new = self.seq_len, self.seq_len - num_tokens
         for lc in self.layers:
             lc.window.rollback(num_tokens)
