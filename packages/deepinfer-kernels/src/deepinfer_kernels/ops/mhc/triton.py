@@ -8,18 +8,22 @@
    workspace [SPLIT, T, NPAD] (the sum of squares sits in column ROWS). The norm factors out of the matmul
    (m = (flat @ fn^T) * rsqrt(mean(flat^2) + eps)), so nothing waits for the statistic. fn stays fp32: bf16
    x meets it as three bf16 parts (hi + mid + lo carry fn's 24-bit significand; bf16 x bf16 products are
-   exact in fp32), other dtypes as IEEE fp32 products (no TF32), so the mixes agree with the fp32 reference
-   to fp32 rounding.
-2. ``_coefficients_epilogue_kernel``: per token, adds the SPLIT partials in split order, applies the rsqrt
-   and the whole epilogue in registers: sigmoid pre / post (or the head's sigmoid), then softmax + hc_eps and
-   Sinkhorn (one column pass, then iters - 1 row and column passes, hc_eps in every divide) on the n x n
-   comb, exactly as ``reference.py`` orders it.
+   exact in fp32; one accumulator per part, added as hi + (mid + lo) at the end), other dtypes as IEEE fp32
+   products (no TF32), so the mixes agree with the fp32 reference to fp32 rounding.
+2. ``_coefficients_epilogue_kernel``, one program per token: loads the token's SPLIT partials in one go, adds
+   them by one fixed tree over the split axis, applies the rsqrt and the whole epilogue in registers: sigmoid
+   pre / post (or the head's sigmoid), then softmax + hc_eps and Sinkhorn (one column pass, then iters - 1 row
+   and column passes, hc_eps in every divide) on the n x n comb, exactly as ``reference.py`` orders it.
 
 SPLIT, CHUNK, BLOCK_T, BLOCK_K and the warp counts depend on K alone, T is not specialised, and the split
 partials are added in a fixed order, so a token's bits never depend on T or on the other tokens:
 batch-invariant by construction (the GPU tests check one token alone against the same token inside 7, 64
 and 4096). The order differs from the reference's (16-row tiled GEMM after the norm), so results match it
 to fp32 rounding (~1e-6 relative), not bitwise.
+
+At decode sizes the cost is latency, not bytes: each BLOCK_K step of the mixes kernel waits on its loads
+(about 1 us on an H200), and the 20 Sinkhorn rounds of the epilogue run on a single warp, so a sublayer's mHC
+work stays far above its byte floor at T = 1 (see ``benchmarks/bench_mhc.py``).
 
 ``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
 store; purely elementwise per token, hence batch-invariant too.
@@ -35,13 +39,16 @@ import triton.language as tl
 from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
-# Mixes: K columns per split (fixes each token's reduction order), tokens and columns per program step.
-CHUNK = 1024
-BLOCK_T = 64
-BLOCK_K = 128
-MIX_WARPS = 4
+# Mixes: K columns per split (fixes each token's reduction order), tokens and columns per program step. Chosen
+# on an H200 (bf16, d = 4096 / 5120): fewer, longer splits are faster for prefill (T = 8192: CHUNK 2048 about
+# 20% below 512) and slower for decode (T = 1: each BLOCK_K step costs about 1 us of latency); 512 / 128 / 64
+# is the best compromise of the configurations measured (see benchmarks/bench_mhc.py).
+CHUNK = 512
+BLOCK_T = 128
+BLOCK_K = 64
+MIX_WARPS = 8
 MIX_STAGES = 3
-EPI_BLOCK_T = 16  # tokens per epilogue program
+EPI_WARPS = 1  # one token per epilogue program
 BLOCK_D = 1024  # columns per collapse / expand program
 ELEM_WARPS = 4
 
@@ -58,7 +65,9 @@ def _mixes_partial_kernel(
     r = tl.arange(0, NPAD)
     r_ok = r < ROWS
     kb = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ fn^T, or x @ hi^T when fn is split
+    acc_mid = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ mid^T
+    acc_lo = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ lo^T
     sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     k_lo = pid_s * CHUNK
     for k0 in range(k_lo, tl.minimum(k_lo + CHUNK, K), BLOCK_K):
@@ -68,21 +77,23 @@ def _mixes_partial_kernel(
         w = tl.load(fn_ptr + r[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         xf = xv.to(tl.float32)
         sq += tl.sum(xf * xf, axis=1)
-        if SPLIT_FN:  # bf16 x: fn = hi + mid + lo exactly enough for fp32 (each step is exact in fp32)
+        if SPLIT_FN:  # bf16 x: fn = hi + mid + lo to fp32 precision (each step below is exact in fp32)
             hi = w.to(tl.bfloat16)
             rem = w - hi.to(tl.float32)
             mid = rem.to(tl.bfloat16)
             lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
             if F32_DOT:  # the CPU interpreter, whose bf16 dot is wrong: the same exact products in fp32
-                acc = tl.dot(xf, tl.trans(lo.to(tl.float32)), acc, input_precision="ieee")
-                acc = tl.dot(xf, tl.trans(mid.to(tl.float32)), acc, input_precision="ieee")
                 acc = tl.dot(xf, tl.trans(hi.to(tl.float32)), acc, input_precision="ieee")
+                acc_mid = tl.dot(xf, tl.trans(mid.to(tl.float32)), acc_mid, input_precision="ieee")
+                acc_lo = tl.dot(xf, tl.trans(lo.to(tl.float32)), acc_lo, input_precision="ieee")
             else:
-                acc = tl.dot(xv, tl.trans(lo), acc)
-                acc = tl.dot(xv, tl.trans(mid), acc)
                 acc = tl.dot(xv, tl.trans(hi), acc)
+                acc_mid = tl.dot(xv, tl.trans(mid), acc_mid)
+                acc_lo = tl.dot(xv, tl.trans(lo), acc_lo)
         else:
             acc = tl.dot(xf, tl.trans(w), acc, input_precision="ieee")
+    if SPLIT_FN:
+        acc = acc + (acc_mid + acc_lo)
     acc = tl.where(r[None, :] == ROWS, sq[:, None], acc)  # column ROWS carries the sum of squares
     dst = ws_ptr + (pid_s.to(tl.int64) * T + tok[:, None]) * NPAD + r[None, :]
     tl.store(dst, acc, mask=t_ok[:, None])
@@ -97,60 +108,43 @@ def _sigmoid(z):
 def _coefficients_epilogue_kernel(
     ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     T, K, norm_eps, hc_eps, iters,
-    N: tl.constexpr, NP: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr, COMB: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
+    SP2: tl.constexpr, COMB: tl.constexpr,
 ):  # fmt: skip
-    tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_ok = tok < T
-    i = tl.arange(0, NP)
-    i_ok = i < N
-    ti_ok = t_ok[:, None] & i_ok[None, :]
-    jk_ok = i_ok[:, None] & i_ok[None, :]  # [j, k] inside the n x n comb
-    jk = i[:, None] * N + i[None, :]
-    tjk_ok = t_ok[:, None, None] & jk_ok[None, :, :]
+    """One token. Its workspace row [pre n | post n | comb n*n | sum of squares] is viewed as an [RB, NP]
+    tile of rows of n: row 0 pre, row 1 post, rows 2..n+1 the comb rows j (columns k), then the sum of
+    squares at (n + 2, 0); the head (COMB=False) has row 0 pre and the sum of squares at (1, 0)."""
+    tok = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, RB)[:, None]
+    c = tl.arange(0, NP)[None, :]
+    off = r * N + c  # the column of (r, c) in the workspace row, base and the outputs
+    R_SQ: tl.constexpr = 2 + N if COMB else 1
+    val = (c < N) & (r < R_SQ)
+    sq_at = (r == R_SQ) & (c == 0)
+    # all SPLIT partials at once (one load), added by one fixed tree over the split axis (batch-invariant)
+    s = tl.arange(0, SP2)[:, None, None]
+    part = tl.load(
+        ws_ptr + (s * T + tok) * NPAD + off[None, :, :], mask=(s < SPLIT) & (val | sq_at)[None, :, :], other=0.0
+    )
+    m = tl.sum(part, axis=0)  # [RB, NP]
+    sq = tl.sum(tl.sum(tl.where(sq_at, m, 0.0), axis=1), axis=0)
+    m = m * (1.0 / tl.sqrt_rn(sq / K + norm_eps))  # RMSNorm of the flattened streams, applied to the mixes
 
-    # the split partials of each token, added in split order (fixed: batch-invariant)
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    m_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    m_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    m_comb = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
-    for s in range(SPLIT):
-        row = ws_ptr + (s * T + tok) * NPAD
-        if COMB:
-            sq += tl.load(row + (2 + N) * N, mask=t_ok, other=0.0)
-            m_post += tl.load(row[:, None] + N + i[None, :], mask=ti_ok, other=0.0)
-            m_comb += tl.load(row[:, None, None] + 2 * N + jk[None, :, :], mask=tjk_ok, other=0.0)
-        else:
-            sq += tl.load(row + N, mask=t_ok, other=0.0)
-        m_pre += tl.load(row[:, None] + i[None, :], mask=ti_ok, other=0.0)
-    inv = 1.0 / tl.sqrt_rn(sq / K + norm_eps)  # RMSNorm of the flattened streams, applied to the mixes
-
+    z = m * tl.load(scale_ptr + tl.minimum(r, 2 if COMB else 0)) + tl.load(base_ptr + off, mask=val, other=0.0)
+    pre = _sigmoid(z) + hc_eps
+    tl.store(pre_ptr + tok * N + c + 0 * r, pre, mask=val & (r == 0))
     if COMB:
-        s_pre = tl.load(scale_ptr)
-        s_post = tl.load(scale_ptr + 1)
-        s_comb = tl.load(scale_ptr + 2)
-        b_pre = tl.load(base_ptr + i, mask=i_ok, other=0.0)
-        b_post = tl.load(base_ptr + N + i, mask=i_ok, other=0.0)
-        b_comb = tl.load(base_ptr + 2 * N + jk, mask=jk_ok, other=0.0)
-        pre = _sigmoid((m_pre * inv[:, None]) * s_pre + b_pre[None, :]) + hc_eps
-        post = 2.0 * _sigmoid((m_post * inv[:, None]) * s_post + b_post[None, :])
-        # comb logits L[t, j, k]; softmax over k (row j = input stream j), padding outside the n x n block
-        logits = (m_comb * inv[:, None, None]) * s_comb + b_comb[None, :, :]
-        logits = tl.where(jk_ok[None, :, :], logits, -1e30)
-        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-        comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-        comb = tl.where(jk_ok[None, :, :], comb, 0.0)
-        # Sinkhorn-Knopp: one column pass, then (iters - 1) row + column passes, eps in every divide
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        tl.store(post_ptr + tok * N + c + 0 * r, 2.0 * _sigmoid(z), mask=val & (r == 1))
+        # comb logits L[j, k] on rows 2..n+1; softmax over k, then Sinkhorn with hc_eps in every divide
+        cm = val & (r >= 2)
+        logits = tl.where(cm, z, -1e30)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = tl.where(cm, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns (sum over j)
         for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        tl.store(post_ptr + tok[:, None] * N + i[None, :], post, mask=ti_ok)
-        tl.store(comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :], comb, mask=tjk_ok)
-    else:  # hc_head: sigmoid(m * scale + base) + hc_eps only
-        b_pre = tl.load(base_ptr + i, mask=i_ok, other=0.0)
-        pre = _sigmoid((m_pre * inv[:, None]) * tl.load(scale_ptr) + b_pre[None, :]) + hc_eps
-    tl.store(pre_ptr + tok[:, None] * N + i[None, :], pre, mask=ti_ok)
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows (sum over k)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + tok * (N * N) + off - 2 * N, comb, mask=cm)
 
 
 @triton.jit
@@ -211,6 +205,13 @@ def _mixes_workspace(x: torch.Tensor, fn: torch.Tensor, rows: int) -> tuple[torc
     return ws, split, npad
 
 
+def _epilogue_meta(n: int, npad: int, split: int, comb: bool) -> dict:
+    return dict(
+        N=n, NP=triton.next_power_of_2(n), RB=triton.next_power_of_2(n + 3), NPAD=npad, SPLIT=split,
+        SP2=triton.next_power_of_2(split), COMB=comb, num_warps=EPI_WARPS,
+    )  # fmt: skip
+
+
 def mhc_coefficients_triton(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -228,10 +229,10 @@ def mhc_coefficients_triton(
     if t == 0:
         return pre, post, comb
     ws, split, npad = _mixes_workspace(x, fn, (2 + n) * n)
-    _coefficients_epilogue_kernel[(triton.cdiv(t, EPI_BLOCK_T),)](
+    _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
         t, n * d, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-        N=n, NP=triton.next_power_of_2(n), NPAD=npad, SPLIT=split, COMB=True, BLOCK_T=EPI_BLOCK_T, num_warps=1,
+        **_epilogue_meta(n, npad, split, comb=True),
     )  # fmt: skip
     return pre, post, comb
 
@@ -250,10 +251,10 @@ def mhc_head_weights_triton(
     if t == 0:
         return pre
     ws, split, npad = _mixes_workspace(x, fn, n)
-    _coefficients_epilogue_kernel[(triton.cdiv(t, EPI_BLOCK_T),)](
+    _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, pre, pre,
         t, n * d, float(norm_eps), float(hc_eps), 1,
-        N=n, NP=triton.next_power_of_2(n), NPAD=npad, SPLIT=split, COMB=False, BLOCK_T=EPI_BLOCK_T, num_warps=1,
+        **_epilogue_meta(n, npad, split, comb=False),
     )  # fmt: skip
     return pre
 
