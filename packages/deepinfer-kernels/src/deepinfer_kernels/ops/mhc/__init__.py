@@ -216,6 +216,11 @@ def mhc_lagged_layer(
     return x2, p_f
 
 
+try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
+
 __all__ = [
     "MhcConfig",
     "MhcParams",

@@ -1,0 +1,295 @@
+"""Triton mHC (CUDA backend ``triton``): coefficients, hc_head weights, collapse and expand.
+
+``mhc_coefficients`` / ``mhc_head_weights`` are two launches whatever T is:
+
+1. ``_mixes_partial_kernel``: the flattened K = n*d input of a token is cut into SPLIT fixed chunks of
+   CHUNK columns; program (s, tile) takes chunk s of BLOCK_T tokens and writes, per token, the partial
+   mixes ``x[chunk] @ fn[:, chunk]^T`` (fp32 accumulation) and the partial sum of squares into an fp32
+   workspace [SPLIT, T, NPAD] (the sum of squares sits in column ROWS). The norm factors out of the matmul
+   (m = (flat @ fn^T) * rsqrt(mean(flat^2) + eps)), so nothing waits for the statistic. fn stays fp32: bf16
+   x meets it as three bf16 parts (hi + mid + lo carry fn's 24-bit significand; bf16 x bf16 products are
+   exact in fp32; one accumulator per part, added as hi + (mid + lo) at the end), other dtypes as IEEE fp32
+   products (no TF32), so the mixes agree with the fp32 reference to fp32 rounding.
+2. ``_coefficients_epilogue_kernel``, one program per token: loads the token's SPLIT partials in one go, adds
+   them by one fixed tree over the split axis, applies the rsqrt and the whole epilogue in registers: sigmoid
+   pre / post (or the head's sigmoid), then softmax + hc_eps and Sinkhorn (one column pass, then iters - 1 row
+   and column passes, hc_eps in every divide) on the n x n comb, exactly as ``reference.py`` orders it.
+
+SPLIT, CHUNK, BLOCK_T, BLOCK_K and the warp counts depend on K alone, T is not specialised, and the split
+partials are added in a fixed order, so a token's bits never depend on T or on the other tokens:
+batch-invariant by construction (the GPU tests check one token alone against the same token inside 7, 64
+and 4096). The order differs from the reference's (16-row tiled GEMM after the norm), so results match it
+to fp32 rounding (~1e-6 relative), not bitwise.
+
+At decode sizes the cost is latency, not bytes: each BLOCK_K step of the mixes kernel waits on its loads
+(about 1 us on an H200), and the 20 Sinkhorn rounds of the epilogue run on a single warp, so a sublayer's mHC
+work stays far above its byte floor at T = 1 (see ``benchmarks/bench_mhc.py``).
+
+``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
+store; purely elementwise per token, hence batch-invariant too.
+
+Importing this module registers the backends; it needs triton (the op's ``__init__`` guards the import).
+CPU tensors run in Triton's interpreter when TRITON_INTERPRET=1 (tests only; registered for "cuda").
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+# Mixes: K columns per split (fixes each token's reduction order), tokens and columns per program step. Chosen
+# on an H200 (bf16, d = 4096 / 5120): fewer, longer splits are faster for prefill (T = 8192: CHUNK 2048 about
+# 20% below 512) and slower for decode (T = 1: each BLOCK_K step costs about 1 us of latency); 512 / 128 / 64
+# is the best compromise of the configurations measured (see benchmarks/bench_mhc.py).
+CHUNK = 512
+BLOCK_T = 128
+BLOCK_K = 64
+MIX_WARPS = 8
+MIX_STAGES = 3
+EPI_WARPS = 1  # one token per epilogue program
+BLOCK_D = 1024  # columns per collapse / expand program
+ELEM_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mixes_partial_kernel(
+    x_ptr, fn_ptr, ws_ptr, T, K,
+    ROWS: tl.constexpr, NPAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_FN: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(0)
+    tok = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = tok < T
+    r = tl.arange(0, NPAD)
+    r_ok = r < ROWS
+    kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ fn^T, or x @ hi^T when fn is split
+    acc_mid = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ mid^T
+    acc_lo = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)  # x @ lo^T
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    k_lo = pid_s * CHUNK
+    for k0 in range(k_lo, tl.minimum(k_lo + CHUNK, K), BLOCK_K):
+        kk = k0 + kb
+        k_ok = kk < K
+        xv = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(fn_ptr + r[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        xf = xv.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        if SPLIT_FN:  # bf16 x: fn = hi + mid + lo to fp32 precision (each step below is exact in fp32)
+            hi = w.to(tl.bfloat16)
+            rem = w - hi.to(tl.float32)
+            mid = rem.to(tl.bfloat16)
+            lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
+            if F32_DOT:  # the CPU interpreter, whose bf16 dot is wrong: the same exact products in fp32
+                acc = tl.dot(xf, tl.trans(hi.to(tl.float32)), acc, input_precision="ieee")
+                acc_mid = tl.dot(xf, tl.trans(mid.to(tl.float32)), acc_mid, input_precision="ieee")
+                acc_lo = tl.dot(xf, tl.trans(lo.to(tl.float32)), acc_lo, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(hi), acc)
+                acc_mid = tl.dot(xv, tl.trans(mid), acc_mid)
+                acc_lo = tl.dot(xv, tl.trans(lo), acc_lo)
+        else:
+            acc = tl.dot(xf, tl.trans(w), acc, input_precision="ieee")
+    if SPLIT_FN:
+        acc = acc + (acc_mid + acc_lo)
+    acc = tl.where(r[None, :] == ROWS, sq[:, None], acc)  # column ROWS carries the sum of squares
+    dst = ws_ptr + (pid_s.to(tl.int64) * T + tok[:, None]) * NPAD + r[None, :]
+    tl.store(dst, acc, mask=t_ok[:, None])
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _coefficients_epilogue_kernel(
+    ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, K, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
+    SP2: tl.constexpr, COMB: tl.constexpr,
+):  # fmt: skip
+    """One token. Its workspace row [pre n | post n | comb n*n | sum of squares] is viewed as an [RB, NP]
+    tile of rows of n: row 0 pre, row 1 post, rows 2..n+1 the comb rows j (columns k), then the sum of
+    squares at (n + 2, 0); the head (COMB=False) has row 0 pre and the sum of squares at (1, 0)."""
+    tok = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, RB)[:, None]
+    c = tl.arange(0, NP)[None, :]
+    off = r * N + c  # the column of (r, c) in the workspace row, base and the outputs
+    R_SQ: tl.constexpr = 2 + N if COMB else 1
+    val = (c < N) & (r < R_SQ)
+    sq_at = (r == R_SQ) & (c == 0)
+    # all SPLIT partials at once (one load), added by one fixed tree over the split axis (batch-invariant)
+    s = tl.arange(0, SP2)[:, None, None]
+    part = tl.load(
+        ws_ptr + (s * T + tok) * NPAD + off[None, :, :], mask=(s < SPLIT) & (val | sq_at)[None, :, :], other=0.0
+    )
+    m = tl.sum(part, axis=0)  # [RB, NP]
+    sq = tl.sum(tl.sum(tl.where(sq_at, m, 0.0), axis=1), axis=0)
+    m = m * (1.0 / tl.sqrt_rn(sq / K + norm_eps))  # RMSNorm of the flattened streams, applied to the mixes
+
+    z = m * tl.load(scale_ptr + tl.minimum(r, 2 if COMB else 0)) + tl.load(base_ptr + off, mask=val, other=0.0)
+    pre = _sigmoid(z) + hc_eps
+    tl.store(pre_ptr + tok * N + c + 0 * r, pre, mask=val & (r == 0))
+    if COMB:
+        tl.store(post_ptr + tok * N + c + 0 * r, 2.0 * _sigmoid(z), mask=val & (r == 1))
+        # comb logits L[j, k] on rows 2..n+1; softmax over k, then Sinkhorn with hc_eps in every divide
+        cm = val & (r >= 2)
+        logits = tl.where(cm, z, -1e30)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = tl.where(cm, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns (sum over j)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows (sum over k)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + tok * (N * N) + off - 2 * N, comb, mask=cm)
+
+
+@triton.jit
+def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(N):
+        w = tl.load(w_ptr + t * N + j).to(tl.float32)
+        acc += w * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _expand_kernel(
+    x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    k = tl.arange(0, NP)
+    k_ok = k < N
+    # mixed[k] = sum_j comb[t, j, k] * x[t, j] (the FIRST comb index is contracted), then + post[k] * y
+    acc = tl.zeros((NP, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(N):
+        c = tl.load(comb_ptr + t * (N * N) + j * N + k, mask=k_ok, other=0.0).to(tl.float32)
+        xj = tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += c[:, None] * xj[None, :]
+    post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + t * D + cols, mask=ok, other=0.0).to(tl.float32)
+    acc += post[:, None] * y[None, :]
+    dst = out_ptr + (t * N + k[:, None]) * D + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ok[None, :])
+
+
+def _split(k: int) -> int:
+    """Number of K chunks: from K alone (the batch-invariance argument above depends on this)."""
+    return triton.cdiv(k, CHUNK)
+
+
+def _mixes_workspace(x: torch.Tensor, fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, int, int]:
+    """(ws [SPLIT, T, NPAD] fp32 partial mixes + sum of squares, SPLIT, NPAD)."""
+    t, n, d = x.shape
+    k = n * d
+    xs = x.reshape(t, k)
+    if not xs.is_contiguous():
+        xs = xs.contiguous()
+    npad = max(16, triton.next_power_of_2(rows + 1))  # + the sum-of-squares column; tl.dot needs N >= 16
+    split = _split(k)
+    ws = torch.empty(split, t, npad, dtype=torch.float32, device=x.device)
+    bf16 = x.dtype == torch.bfloat16
+    _mixes_partial_kernel[(split, triton.cdiv(t, BLOCK_T))](
+        xs, fn.float().contiguous(), ws, t, k,
+        ROWS=rows, NPAD=npad, CHUNK=CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
+        SPLIT_FN=bf16, F32_DOT=not bf16 or interpreting(), num_warps=MIX_WARPS, num_stages=MIX_STAGES,
+    )  # fmt: skip
+    return ws, split, npad
+
+
+def _epilogue_meta(n: int, npad: int, split: int, comb: bool) -> dict:
+    return dict(
+        N=n, NP=triton.next_power_of_2(n), RB=triton.next_power_of_2(n + 3), NPAD=npad, SPLIT=split,
+        SP2=triton.next_power_of_2(split), COMB=comb, num_warps=EPI_WARPS,
+    )  # fmt: skip
+
+
+def mhc_coefficients_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    require_same_device(x, fn, base, scale)
+    t, n, d = x.shape
+    pre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return pre, post, comb
+    ws, split, npad = _mixes_workspace(x, fn, (2 + n) * n)
+    _coefficients_epilogue_kernel[(t,)](
+        ws, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
+        t, n * d, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+        **_epilogue_meta(n, npad, split, comb=True),
+    )  # fmt: skip
+    return pre, post, comb
+
+
+def mhc_head_weights_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    require_same_device(x, fn, base, scale)
+    t, n, d = x.shape
+    pre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return pre
+    ws, split, npad = _mixes_workspace(x, fn, n)
+    _coefficients_epilogue_kernel[(t,)](
+        ws, base.float().contiguous(), scale.float().contiguous(), pre, pre, pre,
+        t, n * d, float(norm_eps), float(hc_eps), 1,
+        **_epilogue_meta(n, npad, split, comb=False),
+    )  # fmt: skip
+    return pre
+
+
+def mhc_collapse_triton(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    require_same_device(x, weights)
+    t, n, d = x.shape
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    _collapse_kernel[(t, triton.cdiv(d, BLOCK_D))](
+        x.contiguous(), weights.contiguous(), out, d, N=n, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS
+    )
+    return out
+
+
+def mhc_expand_triton(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    require_same_device(x, y, post, comb)
+    t, n, d = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    _expand_kernel[(t, triton.cdiv(d, BLOCK_D))](
+        x.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, d,
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+for _op, _fn in (
+    ("mhc_coefficients", mhc_coefficients_triton),
+    ("mhc_head_weights", mhc_head_weights_triton),
+    ("mhc_collapse", mhc_collapse_triton),
+    ("mhc_expand", mhc_expand_triton),
+):
+    register_backend(
+        _op, "triton", _fn, devices=("cuda",), priority=20, available=triton_cuda_available, batch_invariant=True
+    )
