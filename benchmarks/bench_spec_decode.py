@@ -3,8 +3,8 @@
 Three runs of the same decode-heavy workload (greedy, short prompts, long outputs) in one process:
 
 * ``plain``: no speculation;
-* ``dspark`` (or ``mtp`` with ``--method mtp``): the checkpoint's DSpark head (V4's MTP layer); with random
-  weights its acceptance is meaningless, ~0;
+* ``dspark`` (or ``mtp`` with ``--method mtp``): the checkpoint's DSpark head (V4.1's, or V4-Flash-0731's with
+  ``--arch v4-0731``; V4's MTP layer); with random weights its acceptance is meaningless, ~0;
 * ``ceiling``: drafts forced to the target's greedy tokens (taken from the plain run), so every draft is
   accepted: the most speculation can give at this N on this machine.
 
@@ -13,6 +13,7 @@ Every run must produce the plain run's tokens (checked). Prints a table and writ
     python benchmarks/bench_spec_decode.py                      # tiny V4.1 on the CPU
     python benchmarks/bench_spec_decode.py --device cuda --dtype bfloat16 --batch-sizes 1 8 64 --output-len 64
     python benchmarks/bench_spec_decode.py --method mtp --num-speculative-tokens 1   # tiny V4 with an MTP layer
+    python benchmarks/bench_spec_decode.py --arch v4-0731       # tiny V4 with V4-Flash-0731's DSpark stages
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main() -> None:
         "--model", default=None, help="checkpoint directory (default: the built-in tiny V4.1, or a tiny V4)"
     )
     ap.add_argument("--method", default="dspark", choices=("dspark", "mtp"), help="the drafter under test")
+    ap.add_argument(
+        "--arch", default="v4.1", choices=("v4.1", "v4-0731"), help="dspark without --model: whose DSpark head"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
@@ -58,14 +62,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.model:
         path = Path(args.model)
-    elif args.method == "dspark":
+    elif args.method == "dspark" and args.arch == "v4.1":
         path = default_model_dir()
-    else:  # a tiny random V4 with its MTP layer
+    else:  # a tiny random V4 with its MTP layer, or with V4-Flash-0731's DSpark stages
         from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
 
-        path = write_tiny_checkpoint(
-            Path(tempfile.mkdtemp()) / "tiny-v4-mtp", "v4", config={"num_nextn_predict_layers": 1}
+        head = (
+            {"num_nextn_predict_layers": 1}
+            if args.method == "mtp"
+            else {"dspark_target_layer_ids": [2, 3, 4], "dspark_markov_rank": 16}
         )
+        path = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / f"tiny-v4-{args.method}", "v4", config=head)
     n_spec = args.num_speculative_tokens
     spec = {"method": args.method, "num_speculative_tokens": n_spec}
     opts = dict(dtype=args.dtype, device=args.device, log_stats=False, kv_cache_memory=2 << 30)

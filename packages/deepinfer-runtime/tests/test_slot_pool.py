@@ -11,7 +11,7 @@ from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v41 import v41_cache_layout, v41_slot_specs
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 from deepinfer_runtime.slot_pool import Ring, SlotPool, SlotSpec, append_window
-from deepinfer_runtime.testing.tiny_checkpoint import tiny_v41_config
+from deepinfer_runtime.testing.tiny_checkpoint import tiny_v4_config, tiny_v41_config
 
 
 def _rows(lo, hi, width=3):
@@ -79,6 +79,8 @@ def test_slot_bytes_equal_the_budgeted_fixed_bytes(tiny_v4_dirs, backtrack, dtyp
     v4 = [DeepseekV4Config.from_file(path / "config.json") for path in tiny_v4_dirs.values()]
     with_mtp = partial(v4_slot_specs, mtp=True), partial(v4_cache_layout, mtp=True)  # V4's MTP drafting rings
     cases = [(cfg, v4_slot_specs, v4_cache_layout) for cfg in v4] + [(v4[0], *with_mtp)]
+    v4_0731 = DeepseekV4Config.from_dict(tiny_v4_config(dspark_target_layer_ids=[2, 4], dspark_markov_rank=8))
+    cases.append((v4_0731, partial(v4_slot_specs, dspark=True), partial(v4_cache_layout, dspark=True)))
     cases.append((DeepseekV41Config.from_dict(tiny_v41_config()), v41_slot_specs, v41_cache_layout))
     for cfg, specs_of, layout_of in cases:
         specs = specs_of(cfg, dtype, backtrack)

@@ -1,8 +1,8 @@
-"""Speculative decoding through the engine: greedy outputs are token for token those of plain decoding (V4.1
-with DSpark, V4 with prompt lookup and with its MTP layer, whose drafts do not depend on the prefix cache;
-mixed lengths, chunked prefill, prefix-cache hits, drafts trimmed by the token budget), acceptance statistics
-are right on constructed drafts (always / never accepted), and seeded sampling with drafts is reproducible.
-The verifiers' distribution tests live in deepinfer-spec."""
+"""Speculative decoding through the engine: greedy outputs are token for token those of plain decoding (V4.1 with
+DSpark, V4-Flash-0731 with its DSpark stages, V4 with prompt lookup and with its MTP layer, whose drafts do not
+depend on the prefix cache; mixed lengths, chunked prefill, prefix-cache hits, drafts trimmed by the token budget),
+acceptance statistics are right on constructed drafts (always / never accepted), and seeded sampling with drafts is
+reproducible. The verifiers' distribution tests live in deepinfer-spec."""
 
 import pytest
 import torch
@@ -122,6 +122,27 @@ def test_v4_mtp_greedy_equals_plain_decoding(v4_mtp_dir, num_drafts=2):
     assert drafts[0] == drafts[1] and len(drafts[0]) > len(prompts)
 
 
+V4_DSPARK = {"dspark_target_layer_ids": [2, 3, 4], "dspark_markov_rank": 16}
+
+
+@pytest.mark.parametrize("confidence, varlen", [(True, False), (True, True), (False, True)])
+def test_v4_0731_dspark_greedy_equals_plain_decoding(tmp_path_factory, confidence, varlen):
+    """V4-Flash-0731's DSpark stages draft; outputs equal plain decoding with prefix-cache hits, also under
+    confidence-scheduled verification, and with no confidence head (procedure S counts 1.0 per draft)."""
+    omit = () if confidence else ("confidence_head",)
+    root = tmp_path_factory.mktemp("spec")
+    path = write_tiny_checkpoint(root / "v4ds", "v4", "fp8+fp4", seed=9, config=V4_DSPARK, omit=omit)
+    prompts = _prompts(5, vocab=1000)
+    _, plain = _generate(path, prompts, None)
+    llm, spec = _generate(path, prompts, {**DSPARK, "varlen": varlen})
+    _same(spec, plain)
+    assert (llm.model.dspark_markov()[2] is not None) == confidence
+    assert llm.spec.stats.total.verified > 0 and sum(o.num_cached_tokens for o in spec) > 0
+    m = spec[4].metrics.spec_decoding
+    assert m["spec_verify_steps"] > 0 and 1.0 <= m["spec_mean_accepted_length"] <= 6.0
+    llm.engine.scheduler.blocks.check()
+
+
 def test_prompt_lookup_drafts_what_followed_the_last_match():
     from deepinfer_runtime.engine.proposers import NgramProposer
     from deepinfer_spec import SpeculativeConfig
@@ -175,7 +196,7 @@ def test_bad_speculative_configs_are_named(v41_dir, tiny_v4_dirs):
             device="cpu",
             speculative_config={"method": "dspark", "num_speculative_tokens": 3},
         )
-    with pytest.raises(ValueError, match="DSpark head"):
+    with pytest.raises(ValueError, match="no DSpark head"):
         LLM(model=tiny_v4_dirs["mixed"], dtype="float32", device="cpu", speculative_config=DSPARK)
     with pytest.raises(ValueError, match="unknown key"):
         LLM(model=v41_dir, dtype="float32", device="cpu", speculative_config={"methd": "dspark"})

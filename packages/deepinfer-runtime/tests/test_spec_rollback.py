@@ -1,7 +1,8 @@
 """Speculative rollback: after a verify chunk of k + 1 tokens and a rollback of the rejected ones, every
 cache kind (window rings, compressed KV and index keys, compressor tails and previous windows, Engram
-lookback, DSpark context) is exactly that of a cache that only ever ran the accepted tokens, and the next
-step's logits are bitwise the same. Random accept patterns, crossing compressor group boundaries."""
+lookback, DSpark context of V4.1 and V4-Flash-0731) is exactly that of a cache that only ever ran the
+accepted tokens, and the next step's logits are bitwise the same. Random accept patterns, crossing
+compressor group boundaries."""
 
 import random
 
@@ -35,7 +36,9 @@ def _v41_state(c, window):
 
 
 def _v4_state(c, window):
-    out = {"seq_len": c.seq_len}
+    out = {"seq_len": c.seq_len, "ctx_end": c.ctx_end}
+    for k, ctx in c.dspark_ctx.items():  # V4-Flash-0731's DSpark context keys
+        out[f"ctx{k}"] = ctx.view()[-window:]
     for i, lc in enumerate(c.layers):
         out[f"win{i}"] = lc.window.view()[-(window - 1) :]
         for name, s in (("comp", lc.compressor), ("idx", lc.indexer)):
@@ -86,9 +89,15 @@ def test_v41_rollback_equals_running_only_accepted_tokens(v41_model, prefill):
     _check_rollback(v41_model, _v41_state, cfg.sliding_window, cfg.vocab_size, seed=prefill, prefill=prefill)
 
 
-@pytest.mark.parametrize("name", ["mixed", "released_ratios"])
-def test_v4_rollback_equals_running_only_accepted_tokens(tiny_v4_dirs, name):
-    model = load_model(tiny_v4_dirs[name], torch.float32, "cpu", progress=False)
+@pytest.mark.parametrize("name", ["mixed", "released_ratios", "dspark"])
+def test_v4_rollback_equals_running_only_accepted_tokens(tiny_v4_dirs, tmp_path_factory, name):
+    if name == "dspark":  # V4-Flash-0731 with its DSpark stages (context rings)
+        cfg = {"dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 8, "n_mtp_layers": 2}
+        path = write_tiny_checkpoint(tmp_path_factory.mktemp("rollback") / "v4ds", "v4", seed=4, config=cfg)
+        model = load_model(path, torch.float32, "cpu", progress=False, dspark=True)
+        assert len(model.mtp) == 2
+    else:
+        model = load_model(tiny_v4_dirs[name], torch.float32, "cpu", progress=False)
     cfg = model.cfg
     _check_rollback(model, _v4_state, cfg.sliding_window, cfg.vocab_size, seed=11, prefill=cfg.sliding_window + 5)
 

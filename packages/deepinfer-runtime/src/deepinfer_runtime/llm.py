@@ -195,6 +195,12 @@ class LLM:
             arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
         if spec_config is not None and spec_config.method == "mtp":
             arch_opts["mtp"] = True  # V4's MTP layer is loaded only to draft with it
+        if (
+            spec_config is not None
+            and spec_config.method == "dspark"
+            and _architecture(path) == "DeepseekV4ForCausalLM"
+        ):
+            arch_opts["dspark"] = True  # likewise V4-Flash-0731's DSpark stages (V4.1 always loads its own)
         self.model = load_model(path, dtype=dtype, device=self.device, shard=load_shard, **arch_opts)
         self.tokenizer = Tokenizer(path)
         cfg = self.model.cfg

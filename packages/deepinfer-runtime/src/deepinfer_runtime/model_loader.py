@@ -40,6 +40,7 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     mtp: bool = False,
+    dspark: bool = False,
     shard: LoadShard | None = None,
     **v41_options,
 ) -> torch.nn.Module:
@@ -48,8 +49,9 @@ def load_model(
     Supported architectures: ``DeepseekV4ForCausalLM`` and ``DeepseekV41ForCausalLM``. The returned model has
     ``forward_logits(input_ids [B, S]) -> float logits [B, S, V]``. V4.1 options: ``fake_quant`` (the trained
     KV quantisers; False makes them the identity), ``yoco_mode`` (off | mask | compact), ``yoco_keep_tokens``,
-    ``engram_device`` (where the Engram tables live). V4 option: ``mtp`` also loads the MTP layers ``mtp.*`` (the
-    drafter of speculative method "mtp"; V4.1 has none: its draft head is DSpark, always loaded).
+    ``engram_device`` (where the Engram tables live). V4 options: ``mtp`` also loads the MTP layers ``mtp.*`` (the
+    drafter of speculative method "mtp"), ``dspark`` the DSpark stages ``mtp.*`` of a V4-Flash-0731 checkpoint
+    (method "dspark"). V4.1 has no MTP layer; its DSpark head is always loaded.
 
     ``shard``: read only one rank's part of the checkpoint (its routed-expert slots, its Engram rows; see
     ``loader/shard.py``); the model then holds that part only and is meant for ``deepinfer_runtime.distributed``.
@@ -73,19 +75,41 @@ def load_model(
             raise ValueError(f"options {sorted(v41_options)} apply to DeepSeek-V4.1 only")
         from deepinfer_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM
         from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
-        from deepinfer_runtime.models.deepseek_v4_weights import model_param_for, v4_inventory, v4_mtp_inventory
+        from deepinfer_runtime.models.deepseek_v4_weights import (
+            model_param_for,
+            v4_dspark_inventory,
+            v4_inventory,
+            v4_mtp_inventory,
+        )
 
         cfg = DeepseekV4Config.from_file(config_file)
+        if mtp and cfg.dspark is not None:
+            raise ConfigError(
+                f"{config_file}: this checkpoint's mtp.* are DSpark stages (dspark_target_layer_ids): use speculative "
+                "method 'dspark'"
+            )
         if mtp and cfg.num_nextn_predict_layers < 1:
             raise ConfigError(
                 f"{config_file}: num_nextn_predict_layers is 0: this checkpoint has no MTP layer for speculative "
                 "method 'mtp'"
             )
+        if dspark and cfg.dspark is None:
+            raise ConfigError(
+                f"{config_file}: no DSpark head (no dspark_target_layer_ids): speculative method 'dspark' needs a "
+                "V4-Flash-0731 checkpoint"
+            )
         ckpt = SafetensorsDir(path)
-        model, local = _build(lambda: DeepseekV4ForCausalLM(cfg, dtype=dtype, mtp=mtp), shard, cfg.n_routed_experts)
-        # the MTP layers (mtp.*) serve speculative decoding only: loaded when asked for
-        inventory = v4_inventory(cfg) + (v4_mtp_inventory(cfg) if mtp else [])
-        ignore = () if mtp else ("mtp.",)
+        # the draft heads (mtp.*) serve speculative decoding only: loaded when asked for. DSpark's confidence head is
+        # optional (vLLM loads it when present; without it drafts carry no confidences)
+        confidence = dspark and f"mtp.{cfg.dspark.num_stages - 1}.confidence_head.proj.weight" in ckpt.names()
+        model, local = _build(
+            lambda: DeepseekV4ForCausalLM(cfg, dtype=dtype, mtp=mtp, dspark=dspark, confidence_head=confidence),
+            shard,
+            cfg.n_routed_experts,
+        )
+        inventory = v4_inventory(cfg)
+        inventory += v4_mtp_inventory(cfg) if mtp else v4_dspark_inventory(cfg, confidence) if dspark else []
+        ignore = () if mtp or dspark else ("mtp.",)
         load_weights(
             model,
             inventory,

@@ -1,8 +1,9 @@
 """Draft proposers behind ``deepinfer_spec.Proposer``: what the engine's speculative decoding can draft with.
 
-* ``DSparkProposer``: the V4.1 DSpark head (procedure D): steps 1-4 in the model (``dspark_hidden``: block rows
-  [anchor, noise...] over each stage's context rows), steps 5-6 in ``deepinfer_spec.markov_drafts`` with each
-  request's own sampler on the draft random stream. After a prefill it drafts D6 placeholders (as DeepInfer).
+* ``DSparkProposer``: a DSpark head, V4.1's or V4-Flash-0731's (procedure D): steps 1-4 in the model
+  (``dspark_hidden``: block rows [anchor, noise...] over each stage's context rows), steps 5-6 in
+  ``deepinfer_spec.markov_drafts`` with each request's own sampler on the draft random stream (``dspark_markov``:
+  the Markov factors and the confidence head, if any). After a prefill it drafts D6 placeholders (as DeepInfer).
 * ``MTPProposer``: V4-Flash's MTP layer (vLLM's ``"mtp"`` method): the layer runs the backbone streams whose next
   tokens became known, the anchor last, and chains on itself for further drafts (``model.draft_mtp``); each draft
   is sampled with the request's own sampler on the draft random stream, like DSpark's.
@@ -25,29 +26,23 @@ class DSparkProposer:
     context_kind = "caches"
 
     def __init__(self, model, config: SpeculativeConfig):
-        cfg = model.cfg
-        if not getattr(model, "mtp", None):
-            raise ValueError("speculative_config method 'dspark' needs a checkpoint with a DSpark head (mtp.* weights)")
-        if config.num_speculative_tokens != cfg.dspark_block_size:
+        if getattr(model, "draft_method", None) != "dspark":
+            raise ValueError(
+                "speculative_config method 'dspark' needs a checkpoint with a DSpark head (V4.1, or V4-Flash-0731 "
+                f"with dspark_target_layer_ids); {type(model).__name__} was loaded without one"
+            )
+        if config.num_speculative_tokens != model.dspark_block_size:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens = {config.num_speculative_tokens} must equal the "
-                f"checkpoint's dspark_block_size = {cfg.dspark_block_size} (decisions C16)"
+                f"checkpoint's dspark_block_size = {model.dspark_block_size} (decisions C16)"
             )
         self.model, self.config = model, config
         self.num_speculative_tokens = config.num_speculative_tokens
 
     def propose(self, batch: ProposeBatch) -> Drafts:
         base, hidden = self.model.dspark_hidden(batch.anchors, batch.context)
-        last = self.model.mtp[-1]
-        return markov_drafts(
-            base,
-            hidden,
-            last.markov_head.embed.weight,
-            last.markov_head.head.weight,
-            last.confidence_head.proj.weight,
-            self.config.confidence_temperatures,
-            batch,
-        )
+        w1, w2, confidence = self.model.dspark_markov()
+        return markov_drafts(base, hidden, w1, w2, confidence, self.config.confidence_temperatures, batch)
 
 
 class MTPProposer:
@@ -62,7 +57,7 @@ class MTPProposer:
                 f"speculative_config method 'mtp' needs DeepSeek-V4's MTP layer; {type(model).__name__} has none "
                 "(V4.1 drafts with 'dspark')"
             )
-        if model.mtp is None:
+        if model.draft_method != "mtp":
             raise ValueError("speculative_config method 'mtp': the model was loaded without its MTP layer (mtp=True)")
         self.model, self.config = model, config
         self.num_speculative_tokens = config.num_speculative_tokens

@@ -17,6 +17,7 @@ compressors run per request on that request's ``SequenceCache``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from deepinfer_kernels import (
@@ -25,6 +26,8 @@ from deepinfer_kernels import (
     indexer_topk,
     kv_compress_pool,
     linear,
+    mhc_collapse,
+    mhc_head_weights,
     mhc_same_site_sublayer,
     moe_route_hash,
     moe_route_topk,
@@ -47,7 +50,7 @@ from deepinfer_runtime.models.deepseek_v4_cache import (
 )
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v4_mtp import MTPState, head_logits
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, param
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, draft_block_key_ids, param
 from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
 
 
@@ -148,21 +151,33 @@ class Attention(nn.Module):
         yarn = None if self.kind == SLIDING else cfg.yarn
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, base, yarn), persistent=False)
 
+    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D])."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        return qr, rope_interleaved(rms_norm(q, None, self.cfg.rms_norm_eps), pos, self.inv_freq)
+
+    def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D]."""
+        return rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+
+    def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Attention outputs o [T, H, D] at ``pos`` -> [T, d]: inverse RoPE, grouped wo_a, wo_b."""
+        o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
+        o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
+        return self.wo_b(o.flatten(1))
+
     def forward(self, x: torch.Tensor, positions: list[torch.Tensor], caches: list[LayerCache]) -> torch.Tensor:
         """x [T, d] (normed), positions: per request [S_b] (sum S_b = T) -> [T, d]."""
         pos = torch.cat(positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope_interleaved(rms_norm(q, None, self.cfg.rms_norm_eps), pos, self.inv_freq)
-        kv = rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        qr, q = self.query(x, pos)
+        kv = self.window_kv(x, pos)
         outs, start = [], 0
         for p, cache in zip(positions, caches):
             rows = slice(start, start + p.shape[0])
             start += p.shape[0]
             outs.append(self._attend_one(x[rows], qr[rows], q[rows], kv[rows], p, cache))
-        o = rope_interleaved(torch.cat(outs), pos, self.inv_freq, inverse=True)
-        o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
-        return self.wo_b(o.flatten(1))
+        return self.output(torch.cat(outs), pos)
 
     def _attend_one(self, x, qr, q, kv, positions, cache: LayerCache) -> torch.Tensor:
         win = self.cfg.sliding_window
@@ -232,9 +247,11 @@ class Block(MhcBlock):
 
     def forward(self, x, input_ids, positions, caches):
         """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
-        x = mhc_same_site_sublayer(
-            x, lambda u: self.attn(self.attn_norm(u), positions, caches), self.mhc("attn"), self.hc
-        )
+        return self.run_block(x, input_ids, lambda u: self.attn(u, positions, caches))
+
+    def run_block(self, x, input_ids, attn_fn):
+        """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
+        x = mhc_same_site_sublayer(x, lambda u: attn_fn(self.attn_norm(u)), self.mhc("attn"), self.hc)
         return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self.mhc("ffn"), self.hc)
 
 
@@ -269,10 +286,79 @@ class MTPLayer(Block):
         return head_logits(streams, (self.hc_head_fn, self.hc_head_base, self.hc_head_scale), self.norm, head, self.cfg)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    """The V4-Flash backbone; with ``mtp`` also its MTP layers (speculative method "mtp"). Logits are fp32."""
+class MarkovHead(nn.Module):
+    """DSpark's Markov factors: ``markov_w1`` [V, R] embeds the previous draft, ``markov_w2`` [V, R] maps it to a
+    vocabulary bias."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, mtp: bool = False):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype):
+        super().__init__()
+        v, r = cfg.vocab_size, cfg.dspark.markov_rank
+        self.markov_w1 = nn.Module()
+        self.markov_w1.weight = param(v, r, dtype=dtype)
+        self.markov_w2 = nn.Module()
+        self.markov_w2.weight = param(v, r, dtype=dtype)
+
+
+class DSparkStage(Block):
+    """DSpark stage ``mtp.S`` of V4-Flash-0731 (vLLM 0.33's ``DSparkDeepseekV4Model``): a sliding-window block with a
+    biased router at layer index num_hidden_layers + S. Its context keys are its own ``window_kv`` of the target
+    feature main_x = main_norm(main_proj(concat of the tap streams' means)) (stage 0 holds main_proj / main_norm);
+    block rows attend to the last W context keys and to every block row. The last stage holds the head: its mHC
+    head ``hc_head_*`` collapses the streams to the pre-norm hidden h; base logits = head(norm(h)); the Markov
+    head; and, when the checkpoint has one, the confidence head."""
+
+    def __init__(self, cfg: DeepseekV4Config, stage: int, dtype: torch.dtype, confidence_head: bool = True):
+        super().__init__(cfg, cfg.num_hidden_layers + stage, dtype, kind=SLIDING)  # past the hash-routed layers
+        d, n, spec = cfg.hidden_size, cfg.hc_mult, cfg.dspark
+        self.cfg = cfg
+        if stage == 0:
+            self.main_proj = Linear(len(spec.target_layer_ids) * d, d, dtype)
+            self.main_norm = Norm(d, cfg.rms_norm_eps)
+        if stage == spec.num_stages - 1:
+            self.norm = Norm(d, cfg.rms_norm_eps)
+            self.hc_head_fn = param(n, n * d, dtype=torch.float32)
+            self.hc_head_base = param(n, dtype=torch.float32)
+            self.hc_head_scale = param(1, dtype=torch.float32)
+            self.markov_head = MarkovHead(cfg, dtype)
+            if confidence_head:
+                self.confidence_head = nn.Module()
+                self.confidence_head.proj = Linear(d + spec.markov_rank, 1, torch.float32)
+
+    def block_attention(self, x: torch.Tensor, *, pos: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """x [N, d] normed block rows at ``pos``; ctx [C, D] this stage's context keys before pos[0] (C <= W)."""
+        a = self.attn
+        _, q = a.query(x, pos)
+        kv = torch.cat([ctx, a.window_kv(x, pos)])
+        ids = draft_block_key_ids(self.cfg.sliding_window, ctx.shape[0], x.shape[0], x.device)
+        o = sparse_mqa_attention(q, kv, ids[None].expand(x.shape[0], -1), a.attn_sink, a.head_dim**-0.5)
+        return a.output(o, pos)
+
+    def head_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Streams [T, n, d] -> the pre-norm hidden h [T, d] (mHC head collapse)."""
+        pre = mhc_head_weights(
+            x,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            norm_eps=self.cfg.rms_norm_eps,
+            hc_eps=self.cfg.hc_eps,
+        )
+        return mhc_collapse(x, pre)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The V4-Flash backbone; with ``mtp`` also its MTP layers (speculative method "mtp"), with ``dspark`` the DSpark
+    stages of a V4-Flash-0731 checkpoint (method "dspark"; ``confidence_head``: whether it ships one). Either
+    draft head lives in ``self.mtp`` (the checkpoint's ``mtp.*``); ``draft_method`` names it. Logits are fp32."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        dtype: torch.dtype = torch.bfloat16,
+        mtp: bool = False,
+        dspark: bool = False,
+        confidence_head: bool = True,
+    ):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         n, d = cfg.hc_mult, cfg.hidden_size
@@ -284,15 +370,31 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_fn = param(n, n * d, dtype=torch.float32)
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
-        if mtp and cfg.num_nextn_predict_layers < 1:
-            raise ValueError("this config has num_nextn_predict_layers = 0: no MTP layer to build")
-        n_mtp = cfg.num_nextn_predict_layers if mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(cfg, i, dtype) for i in range(n_mtp)) if mtp else None
+        self.mtp, self.draft_method = None, None
+        if mtp and dspark:
+            raise ValueError("build either the MTP layers (mtp) or the DSpark stages (dspark): both live in mtp.*")
+        if mtp:
+            if cfg.dspark is not None:
+                raise ValueError(
+                    "this checkpoint's mtp.* are DSpark stages (V4-Flash-0731): use speculative method 'dspark'"
+                )
+            if cfg.num_nextn_predict_layers < 1:
+                raise ValueError("this config has num_nextn_predict_layers = 0: no MTP layer to build")
+            self.mtp = nn.ModuleList(MTPLayer(cfg, i, dtype) for i in range(cfg.num_nextn_predict_layers))
+            self.draft_method = "mtp"
+        if dspark:
+            if cfg.dspark is None:
+                raise ValueError("this config has no DSpark head (no dspark_target_layer_ids)")
+            stages = range(cfg.dspark.num_stages)
+            self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, confidence_head) for s in stages)
+            self.draft_method = "dspark"
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
         """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens; with MTP
         layers also their drafting state's rings."""
-        return v4_slot_specs(self.cfg, self.dtype, backtrack, mtp=self.mtp is not None)
+        return v4_slot_specs(
+            self.cfg, self.dtype, backtrack, mtp=self.draft_method == "mtp", dspark=self.draft_method == "dspark"
+        )
 
     def new_cache(
         self, new_rows: RowFactory | None = None, backtrack: int = 0, slots: SlotState | None = None
@@ -324,7 +426,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return 1
 
     def cache_layout(self, backtrack: int = 0) -> CacheLayout:
-        return v4_cache_layout(self.cfg, self.dtype, backtrack, mtp=self.mtp is not None)
+        return v4_cache_layout(
+            self.cfg, self.dtype, backtrack, mtp=self.draft_method == "mtp", dspark=self.draft_method == "dspark"
+        )
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
@@ -358,8 +462,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         ids = torch.cat(chunks).to(dev)
         x = self.embed.weight[ids]
         x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        taps = {} if self.draft_method == "dspark" else None
         for i, layer in enumerate(self.layers):
+            if taps is not None and i in self.cfg.dspark.target_layer_ids:
+                taps[i] = x.float().mean(dim=1).to(x.dtype)
             x = layer(x, ids, positions, [c.layers[i] for c in caches])
+        if taps is not None:
+            if len(self.layers) in self.cfg.dspark.target_layer_ids:
+                taps[len(self.layers)] = x.float().mean(dim=1).to(x.dtype)
+            self._write_dspark_context(taps, positions, caches)
         # logits only for the rows asked for, all requests in one head call
         picked, sizes, start = [], [], 0
         for j, (c, ch) in enumerate(zip(caches, chunks)):
@@ -374,6 +485,62 @@ class DeepseekV4ForCausalLM(nn.Module):
             sizes.append(rows.numel())
         hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         return list(head_logits(x[torch.cat(picked)], hc, self.norm, self.head, self.cfg).split(sizes))
+
+    def dspark_feature(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target feature main_x [T, d] = main_norm(main_proj(concat of the tap layers' stream means))."""
+        s0 = self.mtp[0]
+        return s0.main_norm(s0.main_proj(torch.cat([taps[t] for t in self.cfg.dspark.target_layer_ids], dim=-1)))
+
+    def _write_dspark_context(self, taps, positions: list[torch.Tensor], caches: list[SequenceCache]) -> None:
+        """Each stage's context keys of the step's rows (they follow each request's ``ctx_end``)."""
+        feat, start = self.dspark_feature(taps), 0
+        for pos, c in zip(positions, caches):
+            rows = feat[start : start + pos.numel()]
+            start += pos.numel()
+            if not pos.numel():
+                continue
+            for k, stage in enumerate(self.mtp):
+                c.dspark_ctx[k].write(c.ctx_end, stage.attn.window_kv(rows, pos))
+            c.ctx_end += pos.numel()
+
+    @property
+    def dspark_block_size(self) -> int:
+        return self.cfg.dspark.block_size
+
+    def dspark_markov(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(W1 [V, R], W2 [V, R], confidence weight [1, d + R] or None without a confidence head)."""
+        last = self.mtp[-1]
+        conf = last.confidence_head.proj.weight if hasattr(last, "confidence_head") else None
+        return last.markov_head.markov_w1.weight, last.markov_head.markov_w2.weight, conf
+
+    @torch.no_grad()
+    def dspark_hidden(self, anchors: torch.Tensor, caches: list[SequenceCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's draft block: rows [anchor, noise x (N - 1)] at positions a .. a + N - 1 (a = the cache's
+        seq_len) through the stages, each over its last W context keys and all block rows.
+
+        Returns (base logits fp32 [B, N, V] = head(norm(h)), pre-norm hiddens h [B, N, d]) for
+        ``deepinfer_spec.markov_drafts``.
+        """
+        if self.draft_method != "dspark":
+            raise ValueError("this model was built without its DSpark stages (dspark=True)")
+        spec, dev = self.cfg.dspark, anchors.device
+        n, last = spec.block_size, self.mtp[-1]
+        bases, hiddens = [], []
+        for anchor, cache in zip(anchors.tolist(), caches):
+            a = cache.seq_len
+            if cache.ctx_end != a:
+                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
+            pos = torch.arange(a, a + n, device=dev)
+            ids = torch.tensor([anchor] + [spec.noise_token_id] * (n - 1), device=dev)
+            x = self.embed.weight[ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+            for k, stage in enumerate(self.mtp):
+                ring = cache.dspark_ctx[k]
+                ctx = ring.read(max(ring.lo, ring.end - self.cfg.sliding_window), ring.end)
+                x = stage.run_block(x, ids, partial(stage.block_attention, pos=pos, ctx=ctx))
+            h = last.head_hidden(x)
+            bases.append(linear(last.norm(h).float(), self.head.weight.float()))
+            hiddens.append(h)
+        return torch.stack(bases), torch.stack(hiddens)
 
     @torch.no_grad()
     def draft_mtp(
@@ -424,10 +591,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.forward(input_ids.long(), [self.new_cache() for _ in range(input_ids.shape[0])])
 
 
-def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False) -> CacheLayout:
+def v4_cache_layout(
+    cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False, dspark: bool = False
+) -> CacheLayout:
     """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``): what one slot of
     the ``slot_pool`` holds. ``backtrack`` B: the rings' extra rows for speculative rollback. ``mtp``: the MTP
-    layer's window ring and the backbone streams it drafts from (``deepseek_v4_mtp``)."""
+    layer's window ring and the backbone streams it drafts from (``deepseek_v4_mtp``). ``dspark``: the DSpark
+    stages' context rings."""
     e = torch.finfo(dtype).bits // 8
     w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
@@ -449,4 +619,6 @@ def v4_cache_layout(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 
             CacheKind("MTP window latents", 0, (w - 1 + b) * d * e),
             CacheKind("MTP backbone streams", 0, (w + b) * cfg.hc_mult * cfg.hidden_size * e),
         ]
+    if dspark:
+        kinds.append(CacheKind("DSpark context", 0, cfg.dspark.num_stages * (w + b) * d * e))
     return CacheLayout(tuple(kinds))

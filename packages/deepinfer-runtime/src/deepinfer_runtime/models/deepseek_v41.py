@@ -58,7 +58,7 @@ from torch import nn
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, param
+from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, draft_block_key_ids, param
 from deepinfer_runtime.slot_pool import (
     CacheSnapshot,
     Ring,
@@ -595,10 +595,7 @@ class DSparkStage(Block):
         _, q = a.query(x, pos)
         kv = torch.cat([ctx, a.window_kv(x, pos)])
         n = x.shape[0]
-        # every block row sees all context rows and all block rows: fixed width W + N, -1 padded
-        ctx_ids = torch.arange(a.window, device=x.device) - (a.window - ctx.shape[0])
-        ids = torch.cat([ctx_ids.clamp(min=-1), ctx.shape[0] + torch.arange(n, device=x.device)])
-        ids = torch.where(torch.cat([ctx_ids >= 0, torch.ones(n, dtype=torch.bool, device=x.device)]), ids, -1)
+        ids = draft_block_key_ids(a.window, ctx.shape[0], n, x.device)
         return a.attend(q, kv, None, ids[None].expand(n, -1), None, pos)
 
 
@@ -653,6 +650,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = Norm(d, cfg.rms_norm_eps)
         self.head = Linear(d, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
+        self.draft_method = "dspark" if len(self.mtp) else None
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
@@ -849,6 +847,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         for k, stage in enumerate(self.mtp):
             cache.dspark_ctx[k].write(start, stage.attn.window_kv(feat, pos))
         cache.ctx_end = start + pos.numel()
+
+    @property
+    def dspark_block_size(self) -> int:
+        return self.cfg.dspark_block_size
+
+    def dspark_markov(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(W1 [V, R], W2 [V, R], confidence weight [1, d + R]) of the last stage (checkpoint ``embed`` / ``head``)."""
+        last = self.mtp[-1]
+        return last.markov_head.embed.weight, last.markov_head.head.weight, last.confidence_head.proj.weight
 
     @torch.no_grad()
     def dspark_hidden(self, anchors: torch.Tensor, caches: list[V41SequenceCache]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,10 +56,13 @@ def v4_compressors(cfg: DeepseekV4Config) -> dict[tuple[str, int], CompressorPla
     return out
 
 
-def v4_slot_specs(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False) -> list[SlotSpec]:
+def v4_slot_specs(
+    cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False, dspark: bool = False
+) -> list[SlotSpec]:
     """The fixed buffers of one request: per layer the window ring [W - 1 + B, head_dim] in ``dtype``; per
     compressor the projection rings (kv, score) [``ring_rows``, C'] fp32; with ``mtp`` the MTP layer's window ring
-    and the ring of backbone streams it drafts from [W + B, hc_mult * hidden] (``deepseek_v4_mtp``)."""
+    and the ring of backbone streams it drafts from [W + B, hc_mult * hidden] (``deepseek_v4_mtp``); with
+    ``dspark`` one context ring [W + B, head_dim] per DSpark stage (its keys of the target rows)."""
     specs = [
         SlotSpec(("window", i), "window latents", cfg.sliding_window - 1 + backtrack, cfg.head_dim, dtype)
         for i in range(cfg.num_hidden_layers)
@@ -73,6 +76,11 @@ def v4_slot_specs(cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0,
         w, b = cfg.sliding_window, backtrack
         specs.append(SlotSpec(MTP_WINDOW, "MTP window latents", w - 1 + b, cfg.head_dim, dtype))
         specs.append(SlotSpec(MTP_STREAMS, "MTP backbone streams", w + b, cfg.hc_mult * cfg.hidden_size, dtype))
+    if dspark:
+        w, b = cfg.sliding_window, backtrack
+        specs += [
+            SlotSpec(("dspark", k), "DSpark context", w + b, cfg.head_dim, dtype) for k in range(cfg.dspark.num_stages)
+        ]
     return specs
 
 
@@ -155,11 +163,18 @@ class LayerCache:
 
 @dataclass
 class SequenceCache:
+    """One request's state. dspark_ctx[s] (with a DSpark head): ring [W + B, head_dim] of DSpark stage s's context
+    keys by position (positions .. ctx_end - 1)."""
+
     layers: list[LayerCache]
     slots: SlotState
     seq_len: int = 0
     backtrack: int = 0  # B: tokens a speculative step may roll back; rings keep B rows beyond their need
     mtp: MTPState | None = None  # the MTP layer's drafting state, when the slot has its rings
+    ctx_end: int = 0
+
+    def __post_init__(self):
+        self.dspark_ctx = {key[1]: ring for key, ring in self.slots.rings.items() if key[0] == "dspark"}
 
     @classmethod
     def empty(
@@ -186,6 +201,9 @@ class SequenceCache:
             lc.window.rollback(num_tokens)
         for state in self._states():
             state.rollback(old, new)
+        for ring in self.dspark_ctx.values():
+            ring.rollback(max(self.ctx_end - new, 0))
+        self.ctx_end = min(self.ctx_end, new)
         self.seq_len = new
 
     def _states(self):
@@ -199,7 +217,11 @@ class SequenceCache:
     def snapshot(self) -> CacheSnapshot:
         """The slot copied into a snapshot slot; entries by (ratio, length) only (they stay in the pool)."""
         lengths = {s.key: (s.ratio, s.num_entries) for s in self._states() if s.entries is not None}
-        meta = {"seq_len": self.seq_len, "mtp_seq_len": None if self.mtp is None else self.mtp.seq_len}
+        meta = {
+            "seq_len": self.seq_len,
+            "ctx_end": self.ctx_end,
+            "mtp_seq_len": None if self.mtp is None else self.mtp.seq_len,
+        }
         return CacheSnapshot(self.slots.copy_to("snapshot"), meta, lengths)
 
     @classmethod
@@ -208,7 +230,7 @@ class SequenceCache:
     ) -> SequenceCache:
         """A cache continuing from ``snap`` in a new request slot, its entry stores resumed at their lengths."""
         cache = cls.empty(cfg, snap.slots.copy_to("request"), new_rows, backtrack)
-        cache.seq_len = snap.meta["seq_len"]
+        cache.seq_len, cache.ctx_end = snap.meta["seq_len"], snap.meta["ctx_end"]
         if cache.mtp is not None:
             cache.mtp.seq_len = snap.meta["mtp_seq_len"]
         for state in cache._states():

@@ -51,13 +51,6 @@ _IGNORED_KEYS = {
     "problem_type",
     "tokenizer_class",
     "first_k_dense_replace",
-    # V4-Flash-0731 DSpark fields: the draft head is the speculative-decoding issue's business
-    "dspark_target_layer_ids",
-    "dspark_markov_rank",
-    "dspark_block_size",
-    "dspark_noise_token_id",
-    "dspark_n_routed_experts",
-    "dspark_num_experts_per_tok",
 }
 _MUST_BE = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "num_key_value_heads": 1}
 _FIELDS_WITH_DEFAULTS = {
@@ -117,6 +110,24 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class DSparkSpec:
+    """V4-Flash-0731's DSpark draft head (``mtp.0 .. mtp.{num_stages - 1}``; absent: ``DeepseekV4Config.dspark``
+    is None). Keys as vLLM 0.33 reads them (``vllm/models/deepseek_v4/nvidia/dspark.py``, ``config/speculative.py``).
+
+    target_layer_ids: backbone layers whose entering streams (mean over the hc streams) feed ``main_proj``.
+    num_stages: the draft's sliding-window blocks (``n_mtp_layers``; vLLM's default 3).
+    block_size: N drafts per block (γ); noise_token_id: the token of the N - 1 non-anchor block rows.
+    markov_rank: R of the Markov head (``markov_w1`` [V, R], ``markov_w2`` [V, R]).
+    """
+
+    target_layer_ids: tuple[int, ...]
+    num_stages: int
+    block_size: int
+    noise_token_id: int
+    markov_rank: int
+
+
+@dataclass(frozen=True)
 class DeepseekV4Config:
     vocab_size: int
     hidden_size: int
@@ -153,6 +164,7 @@ class DeepseekV4Config:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     quant: QuantConfig | None = None
+    dspark: DSparkSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def compress_ratio(self, layer: int) -> int:
@@ -197,6 +209,7 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         if legacy in raw:
             rates[kind] = _take(raw, legacy, int)
     ratios = raw.pop("compress_ratios", None)
+    extra_ratios: list[int] = []
     layer_types = raw.pop("layer_types", None)
     if layer_types is None:
         if ratios is None:
@@ -208,6 +221,7 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         if bad:
             raise ConfigError(f"field 'compress_ratios': values {sorted(set(bad))} not in (0, 4, 128)")
         layer_types = [by_ratio[r] for r in ratios[:n]]
+        extra_ratios = ratios[n:]  # the MTP / DSpark layers' (all sliding-window in the releases)
     if len(layer_types) < n or any(t not in (SLIDING, CSA, HCA) for t in layer_types):
         raise ConfigError(f"field 'layer_types' must give one of {(SLIDING, CSA, HCA)} for each of {n} layers")
     layer_types = tuple(layer_types[:n])
@@ -269,6 +283,7 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
     if quant is not None and quant.expert_dtype not in ("fp4", "fp8", "bf16"):
         raise ConfigError(f"field 'expert_dtype' = {quant.expert_dtype!r} must be fp4, fp8 or bf16")
 
+    dspark = _parse_dspark(raw, n, ints, extra_ratios)
     extra = {k: raw.pop(k) for k in list(raw) if k in _IGNORED_KEYS}
     if raw:
         raise ConfigError(f"unknown config field(s): {sorted(raw)}")
@@ -305,6 +320,7 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         bos_token_id=bos,
         eos_token_id=eos,
         quant=quant,
+        dspark=dspark,
         extra=extra,
     )
     if d["n_shared_experts"] != 1:
@@ -313,6 +329,45 @@ def _parse(raw: dict[str, Any]) -> DeepseekV4Config:
         raise ConfigError("field 'tie_word_embeddings' = true: DeepSeek V4 has an untied head")
     _check(cfg)
     return cfg
+
+
+def _parse_dspark(raw: dict[str, Any], n: int, ints: dict[str, int], extra_ratios: list[int]) -> DSparkSpec | None:
+    """The DSpark fields of a V4-Flash-0731 config (None without ``dspark_target_layer_ids``)."""
+    taps = raw.pop("dspark_target_layer_ids", None)
+    stages = raw.pop("n_mtp_layers", None)
+    block = _take(raw, "dspark_block_size", int, 5)
+    noise = _take(raw, "dspark_noise_token_id", int, 128799)
+    rank = _take(raw, "dspark_markov_rank", int, 0)
+    for key, backbone in (("dspark_n_routed_experts", "n_routed_experts"), ("dspark_num_experts_per_tok", None)):
+        value = raw.pop(key, None)
+        want = ints["n_routed_experts"] if backbone else ints["num_experts_per_tok"]
+        if value not in (None, 0, want):
+            raise ConfigError(
+                f"field {key!r} = {value!r}: V4 DSpark stages are built with the backbone's MoE ({want}), as in "
+                "vLLM 0.33; other sizes are V4.1's"
+            )
+    if not taps:
+        return None
+    # tap L = the streams after layer L - 1 (vLLM: ``idx + 1 in aux_hidden_state_layers``), so 1 <= L <= n
+    if not (
+        isinstance(taps, list) and all(isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= n for t in taps)
+    ):
+        raise ConfigError(f"field 'dspark_target_layer_ids' = {taps!r} must list layers in [1, {n}]")
+    stages = 3 if stages is None else stages
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ConfigError(f"field 'n_mtp_layers' = {stages!r} must be a positive int")
+    if any(r != 0 for r in extra_ratios[:stages]):
+        raise ConfigError(
+            f"field 'compress_ratios': the DSpark stages' ratios {extra_ratios[:stages]} must be 0 (sliding-window "
+            "only, as in V4-Flash-0731)"
+        )
+    if block < 1:
+        raise ConfigError(f"field 'dspark_block_size' = {block} must be positive")
+    if rank < 1:
+        raise ConfigError(f"field 'dspark_markov_rank' = {rank} must be positive with a DSpark head")
+    if not 0 <= noise < ints["vocab_size"]:
+        raise ConfigError(f"field 'dspark_noise_token_id' = {noise} must be a token id")
+    return DSparkSpec(tuple(taps), stages, block, noise, rank)
 
 
 def _check(c: DeepseekV4Config) -> None:

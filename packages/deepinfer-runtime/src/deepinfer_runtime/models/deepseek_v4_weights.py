@@ -128,9 +128,11 @@ def block_specs(cfg: DeepseekV4Config, p: str, kind: str, hash_routed: bool) -> 
 def v4_mtp_inventory(cfg: DeepseekV4Config) -> list[TensorSpec]:
     """The MTP layers ``mtp.I.*`` (I < num_nextn_predict_layers; section A.9): a sliding-window block with a
     biased router, the input projections ``e_proj`` / ``h_proj`` and norms, and its own mHC head and final norm
-    (embedding and LM head are the backbone's)."""
+    (embedding and LM head are the backbone's). None when ``mtp.*`` holds DSpark stages (``v4_dspark_inventory``)."""
     d, n = cfg.hidden_size, cfg.hc_mult
     out = []
+    if cfg.dspark is not None:
+        return out
     for m in range(cfg.num_nextn_predict_layers):
         p = f"mtp.{m}."
         out += block_specs(cfg, p, SLIDING, hash_routed=False)
@@ -144,6 +146,39 @@ def v4_mtp_inventory(cfg: DeepseekV4Config) -> list[TensorSpec]:
             TensorSpec(p + "hc_head_base", (n,), FP32),
             TensorSpec(p + "hc_head_scale", (1,), FP32),
         ]
+    return out
+
+
+def v4_dspark_inventory(cfg: DeepseekV4Config, confidence_head: bool = True) -> list[TensorSpec]:
+    """V4-Flash-0731's DSpark stages ``mtp.S.*`` (S < ``cfg.dspark.num_stages``), named as vLLM 0.33 loads them:
+    each a sliding-window block with a biased router; stage 0 also ``main_proj`` [d, k d] (k tap layers) and
+    ``main_norm``; the last stage the head: ``norm``, its mHC head ``hc_head_*``, the Markov factors
+    ``markov_head.markov_w1`` / ``markov_w2`` [V, R] and, when the checkpoint has one, ``confidence_head.proj``
+    [1, d + R] (fp32 in vLLM; without it drafts carry no confidences)."""
+    spec = cfg.dspark
+    if spec is None:
+        return []
+    d, n, v, r = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size, spec.markov_rank
+    out = []
+    for s in range(spec.num_stages):
+        p = f"mtp.{s}."
+        out += block_specs(cfg, p, SLIDING, hash_routed=False)
+        if s == 0:
+            out += [
+                TensorSpec(p + "main_proj.weight", (d, len(spec.target_layer_ids) * d), LINEAR),
+                TensorSpec(p + "main_norm.weight", (d,), BF16),
+            ]
+        if s == spec.num_stages - 1:
+            out += [
+                TensorSpec(p + "norm.weight", (d,), BF16),
+                TensorSpec(p + "hc_head_fn", (n, n * d), FP32),
+                TensorSpec(p + "hc_head_base", (n,), FP32),
+                TensorSpec(p + "hc_head_scale", (1,), FP32),
+                TensorSpec(p + "markov_head.markov_w1.weight", (v, r), BF16),
+                TensorSpec(p + "markov_head.markov_w2.weight", (v, r), BF16),
+            ]
+            if confidence_head:
+                out.append(TensorSpec(p + "confidence_head.proj.weight", (1, d + r), FP32))
     return out
 
 

@@ -101,6 +101,14 @@ def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=0)
 
 
+def draft_block_key_ids(window: int, num_ctx: int, block: int, device: torch.device) -> torch.Tensor:
+    """Key ids [window + block] shared by every row of a non-causal draft block (DSpark) whose keys are
+    [num_ctx context rows (num_ctx <= window) | block rows]: the context rows right-aligned in the first
+    ``window`` slots (-1 before them), then all block rows. One fixed width W + N whatever the context length."""
+    ctx_ids = torch.arange(window, device=device) - (window - num_ctx)
+    return torch.cat([ctx_ids.clamp(min=-1), num_ctx + torch.arange(block, device=device)])
+
+
 class Experts(nn.Module):
     """Routed experts stacked per layer: ``w13`` [E, 2I, d] (gate rows then up rows) and ``w2`` [E, d, I].
 

@@ -34,6 +34,7 @@ from deepinfer_runtime.models.deepseek_v4_weights import (
     INT64,
     LINEAR,
     TensorSpec,
+    v4_dspark_inventory,
     v4_inventory,
     v4_mtp_inventory,
 )
@@ -218,7 +219,11 @@ def _random_tensor(spec: TensorSpec, gen: torch.Generator, cfg: DeepseekV4Config
     if name.endswith(("attn_sink", ".ape", "gate.bias", "gate.bias_vl")):
         return 0.5 * torch.randn(shape, generator=gen)
     # embedding-like tables (token embedding, Engram n-gram rows, DSpark Markov W1): rows N(0, 1)
-    if name == "embed.weight" or spec.role == ENGRAM_TABLE or name.endswith("markov_head.embed.weight"):
+    if (
+        name == "embed.weight"
+        or spec.role == ENGRAM_TABLE
+        or name.endswith(("markov_head.embed.weight", "markov_w1.weight"))
+    ):
         return torch.randn(shape, generator=gen)
     return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
 
@@ -286,10 +291,12 @@ def write_tiny_checkpoint(
     seed: int = 0,
     config: dict[str, Any] | None = None,
     num_shards: int = 2,
+    omit: tuple[str, ...] = (),
 ) -> Path:
     """Write the checkpoint directory ``out`` and return it. ``config`` overrides the tiny config (for
     ``arch="v4.1"``: its ``text_config``). Quant modes: v4 ``none`` / ``fp8`` / ``fp8+fp4``; v4.1 ``none`` /
-    ``fp8+fp4`` (the released formats)."""
+    ``fp8+fp4`` (the released formats). ``omit``: leave out every tensor whose name contains one of these parts
+    (optional tensors, broken checkpoints)."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} must be one of {ARCHS}")
     if quant not in QUANT_MODES:
@@ -321,8 +328,11 @@ def write_tiny_checkpoint(
             }
             raw["expert_dtype"] = "fp4" if quant == "fp8+fp4" else "fp8"
         cfg = DeepseekV4Config.from_dict(raw)
-        # the MTP layers (mtp.*) as the release ships them, when the config has num_nextn_predict_layers
-        tensors = _random_checkpoint(v4_inventory(cfg) + v4_mtp_inventory(cfg), cfg, quant, block, seed)
+        # the draft heads (mtp.*) as the releases ship them: the MTP layer when the config has
+        # num_nextn_predict_layers, V4-Flash-0731's DSpark stages when it has dspark_target_layer_ids
+        inventory = v4_inventory(cfg) + v4_mtp_inventory(cfg) + v4_dspark_inventory(cfg)
+        tensors = _random_checkpoint(inventory, cfg, quant, block, seed)
+    tensors = {k: v for k, v in tensors.items() if not any(part in k for part in omit)}
     _write_dir(out, tensors, raw, num_shards)
     return out
 
