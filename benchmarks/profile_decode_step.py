@@ -1,0 +1,143 @@
+"""Where a decode step's time goes (issue 5): torch.profiler over a few decode steps of the model slices of
+``gpu_model_slice.py`` (V4-Flash 4-layer slice, V4.1-Flash 8-layer slice; real dimensions, random weights).
+
+Per model and batch size it prints the wall time per step, the GPU busy time per step (sum of kernel times:
+the rest is the host's, i.e. Python and launch overhead), kernel launches per step, host syncs (``item`` /
+``cudaStreamSynchronize`` / D2H copies), and the top ops by host time and by GPU time. Writes JSON.
+
+    python benchmarks/profile_decode_step.py [--models v4,v4.1] [--batches 1,8] [--context 4096] [--out p.json]
+    python benchmarks/profile_decode_step.py --tiny --device cpu       # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_model_slice import decode_step, prefill, rand_ids, sync, tiny_dims  # noqa: E402
+
+
+def _build(arch: str, dev: str, tiny: bool):
+    from deepinfer_runtime.testing import model_slice as ms
+
+    dims = tiny_dims(arch) if tiny else {}
+    dtype = torch.float32 if tiny else torch.bfloat16
+    if arch == "v4":
+        return ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct")
+    cfg = ms.v41_slice_config(engram_vocab_size=100 if tiny else 200_000, **dims)
+    return ms.build_random_model(cfg, dev, dtype, experts="shared", yoco_mode="compact")
+
+
+def _summary(prof, steps: int, top: int) -> dict:
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) if kernels else 0.0
+
+    def row(e, key):
+        return {
+            "op": e.key[:90],
+            "calls_per_step": e.count / steps,
+            "host_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "gpu_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+        }
+
+    by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:top]
+    syncs = sum(
+        e.count
+        for e in events
+        if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+    )
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_busy_ms_per_step": gpu_us / 1e3 / steps,
+        "host_syncs_per_step": syncs / steps,
+        "top_by_host": [row(e, "cpu") for e in by_host],
+        "top_by_gpu": [row(e, "gpu") for e in by_gpu],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--models", default="v4,v4.1")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", type=Path, default=Path("profile_decode_step.json"))
+    args = ap.parse_args()
+    from deepinfer_runtime.testing.model_slice import clone_state
+
+    dev, gen, results = args.device, torch.Generator().manual_seed(0), {}
+    for arch in args.models.split(","):
+        model = _build(arch, dev, args.tiny)
+        base = model.new_cache()
+        prefill(model, arch, [base], [rand_ids(args.context, dev, gen)], 8192, dev)
+        for b in (int(x) for x in args.batches.split(",")):
+            caches = [clone_state(base) for _ in range(b)]
+            for _ in range(2):  # warm-up (compilation, allocator)
+                decode_step(model, caches, rand_ids(b, dev, gen))
+            sync(dev)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                decode_step(model, caches, rand_ids(b, dev, gen))
+            sync(dev)
+            wall = (time.perf_counter() - start) / args.steps * 1e3
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(dev).type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                for _ in range(args.steps):
+                    decode_step(model, caches, rand_ids(b, dev, gen))
+                sync(dev)
+            rec = {"wall_ms_per_step": wall, **_summary(prof, args.steps, args.top)}
+            py = cProfile.Profile()  # the host side by Python function (where launches and syncs come from)
+            py.enable()
+            for _ in range(args.steps):
+                decode_step(model, caches, rand_ids(b, dev, gen))
+            sync(dev)
+            py.disable()
+            text = io.StringIO()
+            pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(args.top * 2)
+            rec["python_by_tottime"] = text.getvalue()
+            text = io.StringIO()
+            pstats.Stats(py, stream=text).sort_stats("cumtime").print_stats(args.top * 3)
+            rec["python_by_cumtime"] = text.getvalue()
+            results[f"{arch} b{b}"] = rec
+            print(
+                f"\n== {arch} decode batch {b}, context {args.context}: {wall:.2f} ms/step wall, "
+                f"GPU busy {rec['gpu_busy_ms_per_step']:.2f} ms, {rec['kernels_per_step']:.0f} kernels, "
+                f"{rec['host_syncs_per_step']:.0f} host syncs per step"
+            )
+            for title, key, col in (
+                ("host", "top_by_host", "host_ms_per_step"),
+                ("GPU", "top_by_gpu", "gpu_ms_per_step"),
+            ):
+                print(f"-- top by {title} time (ms/step, calls/step)")
+                for r in rec[key]:
+                    print(f"   {r[col]:9.3f}  {r['calls_per_step']:7.1f}  {r['op']}")
+            for key, n in (("python_by_tottime", 2), ("python_by_cumtime", 3)):
+                print(f"-- Python functions, {key.split('_')[-1]} ({args.steps} steps)")
+                lines = rec[key].splitlines()
+                start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+                print("\n".join(line.replace(str(Path.cwd()), ".") for line in lines[start : start + args.top * n + 1]))
+            del caches
+        del model, base
+        if torch.device(dev).type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
