@@ -75,9 +75,8 @@ class Compressor(nn.Module):
         """Feed x [S, d] at ``positions`` [S]; return all entries so far [N, head_dim]."""
         # NOTE: projections in fp32 as the DeepSeek reference does (transformers runs them in the
         # model dtype; identical in fp32, and fp32 is what the model was trained with).
-        xf = x.float()
-        kv = linear(xf, self.wkv.weight.float())
-        score = linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
+        score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[positions % self.ratio]
         pending_kv, pending_score, prev_kv, prev_score = state.carried()  # read before the rings take the rows
         state.write(kv, score)
         kv, score = torch.cat([pending_kv, kv]), torch.cat([pending_score, score])
@@ -210,7 +209,7 @@ class Gate(nn.Module):
             self.bias = param(cfg.n_routed_experts, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x.float(), self.weight.float())
+        logits = linear(x, self.weight, out_dtype=torch.float32)
         kw = dict(
             route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func, norm_topk=self.cfg.norm_topk_prob
         )
@@ -538,7 +537,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 ctx = ring.read(max(ring.lo, ring.end - self.cfg.sliding_window), ring.end)
                 x = stage.run_block(x, ids, partial(stage.block_attention, pos=pos, ctx=ctx))
             h = last.head_hidden(x)
-            bases.append(linear(last.norm(h).float(), self.head.weight.float()))
+            bases.append(linear(last.norm(h), self.head.weight, out_dtype=torch.float32))
             hiddens.append(h)
         return torch.stack(bases), torch.stack(hiddens)
 

@@ -297,8 +297,8 @@ class Compressor(nn.Module):
         """Ratio 2: fp32 (kv, score) per token; ratio 1: the normed latent per token (model dtype)."""
         if self.ratio == 1:
             return self.norm(self.wkv(x)), None
-        xf = x.float()
-        return linear(xf, self.wkv.weight.float()), linear(xf, self.wgate.weight.float())
+        f32 = torch.float32
+        return linear(x, self.wkv.weight, out_dtype=f32), linear(x, self.wgate.weight, out_dtype=f32)
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """kv, score [G, ratio, D] fp32 -> normed latents [G, D] in ``dtype``."""
@@ -486,7 +486,7 @@ class Gate(nn.Module):
         self.bias_vl = param(n_experts, dtype=torch.float32)  # image-span tokens (vision: not built yet)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x.float(), self.weight.float()) / self.cfg.gate_temp
+        logits = linear(x, self.weight, out_dtype=torch.float32) / self.cfg.gate_temp
         return moe_route_topk(
             logits,
             self.bias,
@@ -716,7 +716,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Final collapse with the last FFN pre, norm, fp32 head: [T, V]."""
         h = self.norm(mhc_collapse(x, pre_mix))
-        return linear(h.float(), self.head.weight.float())
+        return linear(h, self.head.weight, out_dtype=torch.float32)
 
     def dspark_feature(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Stream means entering the tap layers [T, d] each -> main_norm(main_proj(concat)) [T, d]."""
@@ -883,7 +883,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 ctx = ring.read(max(ring.lo, ring.end - stage.attn.window), ring.end)
                 x, pre_mix = stage.run(x, pre_mix, partial(stage.block_attention, pos=pos, ctx=ctx))
             h = mhc_collapse(x, pre_mix)
-            bases.append(linear(self.mtp[-1].norm(h).float(), self.head.weight.float()))
+            bases.append(linear(self.mtp[-1].norm(h), self.head.weight, out_dtype=torch.float32))
             hiddens.append(h)
         return torch.stack(bases), torch.stack(hiddens)
 

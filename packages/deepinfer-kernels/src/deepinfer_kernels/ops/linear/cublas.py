@@ -12,9 +12,13 @@ import torch.nn.functional as F
 from deepinfer_kernels.registry import register_backend
 
 
-def linear_cublas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``linear`` as one cuBLAS GEMM (fp32 inputs stay fp32 unless torch's TF32 switch is on)."""
-    return F.linear(x, weight.to(x.dtype))
+def linear_cublas(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``linear`` as one cuBLAS GEMM (fp32 inputs stay fp32 unless torch's TF32 switch is on). With ``out_dtype``
+    (bf16 / fp16 x and weight of one dtype): one tensor-core GEMM accumulating and writing fp32 (``mm.dtype``)."""
+    if out_dtype is None:
+        return F.linear(x, weight.to(x.dtype))
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.mm(rows, weight.t(), out_dtype=out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 register_backend("linear", "cublas", linear_cublas, devices=("cuda",), priority=20, available=torch.cuda.is_available)

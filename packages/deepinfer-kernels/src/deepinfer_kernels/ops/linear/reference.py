@@ -19,7 +19,9 @@ ROW_TILE = 16
 
 
 @register_reference("linear")
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype is not None:  # fp32 products of the stored values: upcasting first is exact
+        x = x.to(out_dtype)
     k = x.shape[-1]
     n = weight.shape[0]
     w = weight.to(x.dtype)

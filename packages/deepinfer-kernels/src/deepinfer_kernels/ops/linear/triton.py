@@ -1,4 +1,4 @@
-"""The batch-invariant GPU backend of ``linear`` (y = x W^T in x's dtype); ``cublas.py`` has the other.
+"""The batch-invariant GPU backend of ``linear`` (y = x W^T in x's dtype, or fp32); ``cublas.py`` has the other.
 
 * ``triton_fixed``: one tiling per (N, K) whatever M is (BLOCK_M x BLOCK_N tiles, K walked in BLOCK_K steps in
   order, and a K split chosen from (N, K) alone whose partial sums are added in a fixed order): a row's bits
@@ -61,13 +61,14 @@ def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int
     return block_m, block_n, block_k, split, 4, (3 if fp32 else 4)
 
 
-def linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``linear`` with one tiling per (N, K) for every M (batch-invariant)."""
+def linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``linear`` with one tiling per (N, K) for every M (batch-invariant). With ``out_dtype`` the bf16 / fp16 tiles
+    meet on the tensor cores (fp32 accumulation, as always) and the result is stored in fp32."""
     k, n = x.shape[-1], weight.shape[0]
     lead = x.shape[:-1]
     a = x.reshape(-1, k).contiguous()
     m = a.shape[0]
-    c = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    c = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return c.reshape(*lead, n)
     if k == 0:

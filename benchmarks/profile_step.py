@@ -1,0 +1,165 @@
+"""Where a step's time goes (issue 5): torch.profiler and cProfile over a few decode steps (or prefills) of the
+model slices of ``gpu_model_slice.py`` (V4-Flash 4-layer slice, V4.1-Flash 8-layer slice; real dimensions,
+random weights).
+
+Per model (and batch size) it prints the wall time per step, the GPU busy time per step (sum of kernel times:
+the rest is the host's, i.e. Python and launch overhead), kernel launches and host syncs (``item`` /
+``cudaStreamSynchronize``) per step, the top ops by host time and by GPU time, and the Python functions by own
+and cumulative time. Writes JSON.
+
+    python benchmarks/profile_step.py [--models v4,v4.1] [--batches 1,8] [--context 4096] [--out p.json]
+    python benchmarks/profile_step.py --phase prefill --context 4096
+    python benchmarks/profile_step.py --tiny --device cpu       # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_model_slice import decode_step, prefill, rand_ids, sync, tiny_dims  # noqa: E402
+
+
+def _build(arch: str, dev: str, tiny: bool):
+    from deepinfer_runtime.testing import model_slice as ms
+
+    dims = tiny_dims(arch) if tiny else {}
+    dtype = torch.float32 if tiny else torch.bfloat16
+    if arch == "v4":
+        return ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct")
+    cfg = ms.v41_slice_config(engram_vocab_size=100 if tiny else 200_000, **dims)
+    return ms.build_random_model(cfg, dev, dtype, experts="shared", yoco_mode="compact")
+
+
+def _summary(prof, steps: int, top: int) -> dict:
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels) if kernels else 0.0
+
+    def row(e, key):
+        return {
+            "op": e.key[:90],
+            "calls_per_step": e.count / steps,
+            "host_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "gpu_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+        }
+
+    by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:top]
+    syncs = sum(
+        e.count
+        for e in events
+        if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+    )
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_busy_ms_per_step": gpu_us / 1e3 / steps,
+        "host_syncs_per_step": syncs / steps,
+        "top_by_host": [row(e, "cpu") for e in by_host],
+        "top_by_gpu": [row(e, "gpu") for e in by_gpu],
+    }
+
+
+def _profile(step, dev: str, steps: int, top: int) -> dict:
+    """Wall time of ``steps`` calls of ``step()`` (after 2 warm-up calls), then the same under torch.profiler
+    and under cProfile."""
+    for _ in range(2):  # warm-up (compilation, allocator)
+        step()
+    sync(dev)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(dev)
+    wall = (time.perf_counter() - start) / steps * 1e3
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(dev).type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync(dev)
+    rec = {"wall_ms_per_step": wall, **_summary(prof, steps, top)}
+    py = cProfile.Profile()  # the host side by Python function (where launches and syncs come from)
+    py.enable()
+    for _ in range(steps):
+        step()
+    sync(dev)
+    py.disable()
+    for key, order, n in (("python_by_tottime", "tottime", 2), ("python_by_cumtime", "cumtime", 3)):
+        text = io.StringIO()
+        pstats.Stats(py, stream=text).sort_stats(order).print_stats(top * n)
+        rec[key] = text.getvalue()
+    return rec
+
+
+def _print(title: str, rec: dict, steps: int, top: int) -> None:
+    print(
+        f"\n== {title}: {rec['wall_ms_per_step']:.2f} ms/step wall, GPU busy {rec['gpu_busy_ms_per_step']:.2f} ms, "
+        f"{rec['kernels_per_step']:.0f} kernels, {rec['host_syncs_per_step']:.0f} host syncs per step"
+    )
+    for name, key, col in (("host", "top_by_host", "host_ms_per_step"), ("GPU", "top_by_gpu", "gpu_ms_per_step")):
+        print(f"-- top by {name} time (ms/step, calls/step)")
+        for r in rec[key]:
+            print(f"   {r[col]:9.3f}  {r['calls_per_step']:7.1f}  {r['op']}")
+    for key, n in (("python_by_tottime", 2), ("python_by_cumtime", 3)):
+        print(f"-- Python functions, {key.split('_')[-1]} ({steps} steps)")
+        lines = rec[key].splitlines()
+        first = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+        print("\n".join(line.replace(str(Path.cwd()), ".") for line in lines[first : first + top * n + 1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--models", default="v4,v4.1")
+    ap.add_argument("--phase", default="decode", choices=("decode", "prefill"))
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--context", type=int, default=4096, help="decode: context; prefill: prompt tokens")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
+    args = ap.parse_args()
+    from deepinfer_runtime.testing.model_slice import clone_state
+
+    dev, gen, results = args.device, torch.Generator().manual_seed(0), {}
+    for arch in args.models.split(","):
+        model = _build(arch, dev, args.tiny)
+        if args.phase == "prefill":
+            ids = rand_ids(args.context, dev, gen)
+
+            def step(m=model, a=arch, ids=ids):
+                prefill(m, a, [m.new_cache()], [ids], 8192, dev)
+
+            rec = _profile(step, dev, args.steps, args.top)
+            results[f"{arch} prefill {args.context}"] = rec
+            _print(f"{arch} prefill of {args.context} tokens (one request)", rec, args.steps, args.top)
+        else:
+            base = model.new_cache()
+            prefill(model, arch, [base], [rand_ids(args.context, dev, gen)], 8192, dev)
+            for b in (int(x) for x in args.batches.split(",")):
+                caches = [clone_state(base) for _ in range(b)]
+                rec = _profile(
+                    lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)), dev, args.steps, args.top
+                )
+                results[f"{arch} b{b}"] = rec
+                _print(f"{arch} decode batch {b}, context {args.context}", rec, args.steps, args.top)
+                caches = None
+            base = None
+        model = None
+        if torch.device(dev).type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
