@@ -20,3 +20,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[1] != x.shape[2] or weight.shape[0] % x.shape[1]:
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
     return dispatch("grouped_linear", x.device, x, weight)
+
+
+from . import cublas as _cublas  # noqa: E402,F401  (registers the CUDA backend)
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: E402,F401
+except ImportError:
+    pass

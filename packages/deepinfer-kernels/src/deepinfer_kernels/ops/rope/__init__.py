@@ -80,3 +80,9 @@ def rope_interleaved(
     if 2 * inv_freq.shape[0] > x.shape[-1]:
         raise ValueError(f"rope: rope dim {2 * inv_freq.shape[0]} > head dim {x.shape[-1]}")
     return dispatch("rope_interleaved", x.device, x, positions, inv_freq, inverse)
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
