@@ -119,11 +119,15 @@ def test_outputs_text_stop_and_n(v41_dir):
 
 def test_bad_requests_do_not_take_the_others_down(v41_dir, tmp_path):
     llm = _small_llm(v41_dir, yoco_mode="off", max_model_len=64)
+    image = llm.model.cfg.image_token_id  # no vision tower: refused at admission, not inside a step
     outs = llm.generate(
-        ["", [5] * 100, "fine", [129280 + 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+        ["", [5] * 100, "fine", [129280 + 5], [5, image, 6]],
+        SamplingParams(temperature=0, max_tokens=3),
+        use_tqdm=False,
     )
-    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length", "error"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length", "error", "error"]
     assert "empty" in outs[0].error and "max_model_len" in outs[1].error and "vocabulary" in outs[3].error
+    assert "image tokens" in outs[4].error
     assert len(outs[2].outputs[0].token_ids) == 3 and outs[2].error is None
     until_full = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=None), use_tqdm=False)[0]
     assert len(until_full.prompt_token_ids) + len(until_full.outputs[0].token_ids) == 64  # max_model_len

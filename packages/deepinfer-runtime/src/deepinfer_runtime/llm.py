@@ -290,6 +290,9 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
+        image = getattr(self.model.cfg, "image_token_id", None)
+        if image is not None and image in ids:
+            return f"prompt contains image tokens (id {image}): this model has no vision tower loaded"
         if len(ids) >= self.max_model_len:
             return f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
         if params.prompt_logprobs is not None and getattr(self.model, "yoco_mode", "off") != "off":

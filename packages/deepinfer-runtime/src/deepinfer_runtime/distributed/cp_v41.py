@@ -99,7 +99,8 @@ def cp_prefill_v41(
         x, pre_mix = block.run(x, pre_mix, attn_fn)
     if model.mtp and taps:
         feats = model.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
-        model._write_dspark_context(gather_in_order(feats, owned, group), torch.cat(owned).sort().values, cache)
+        pos = torch.cat(owned).sort().values
+        model._write_dspark_context(gather_in_order(feats, owned, group), pos, cache, cache.seq_len)
     cache.engram_history = engram_next_history(
         model.engram_token_map[ids][None], cache.engram_history, cfg.engram_max_ngram_size
     )

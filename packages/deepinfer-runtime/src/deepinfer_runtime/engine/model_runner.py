@@ -14,6 +14,7 @@ import torch
 
 from deepinfer_runtime.engine.scheduler import StepPlan
 from deepinfer_runtime.engine.spec_decode import SpecOutcome
+from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import KVPools
 from deepinfer_runtime.sampler import Logprob, Sampler, SamplerOutput, SamplingRequest, prompt_logprob_entries
 from deepinfer_runtime.slot_pool import SlotPool
@@ -54,12 +55,12 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> InFlight:
         """Enqueue ``plan`` on the device and return without waiting for it. A chunk's pending input token
         (sampled by the previous launch, value still on the device) is copied in on the device."""
-        chunks, caches, prompt_lens, rows, n_prompt_rows = [], [], [], [], []
+        caches, prompt_lens, rows, n_prompt_rows = [], [], [], []
+        chunks = self._input_ids(plan.chunks)
         for c in plan.chunks:
             req = c.request
             if req.cache is None:
                 req.cache = self.new_cache(req)
-            chunks.append(self._input_ids(req, c.start, c.num_tokens))
             caches.append(req.cache)
             prefill = c.start < req.prefill_len
             prompt_lens.append(req.prefill_len if prefill else None)
@@ -113,15 +114,20 @@ class ModelRunner:
             return self.model.restore_cache(snap, stores, self.backtrack)
         return self.model.new_cache(stores, self.backtrack, self.slots.claim())
 
-    def _input_ids(self, req, start: int, n: int) -> torch.Tensor:
-        ids = req.token_ids(start, start + n)
-        if ids[-1] >= 0:
-            return torch.tensor(ids, dtype=torch.long, device=self.device)
-        if -1 in ids[:-1] or self._prev is None or req.request_id not in self._prev[1]:
-            raise RuntimeError(f"request {req.request_id}: a pending token that the previous step did not sample")
-        out = torch.tensor(ids, dtype=torch.long, device=self.device)
-        prev_tokens, prev_rows = self._prev
-        out[-1] = prev_tokens[prev_rows[req.request_id]]  # device to device: no sync
+    def _input_ids(self, chunks) -> list[torch.Tensor]:
+        """Every chunk's token ids [n] int64 on the device, as views of one tensor: one pinned, non-blocking copy
+        per step (a copy from pageable memory would wait for the device, undoing asynchronous scheduling). A
+        chunk's pending last token (sampled by the previous launch) is filled in on the device."""
+        ids = [c.request.token_ids(c.start, c.start + c.num_tokens) for c in chunks]
+        out = list(long_tensor([t for chunk in ids for t in chunk], self.device).split([len(chunk) for chunk in ids]))
+        for c, chunk, view in zip(chunks, ids, out):
+            if chunk[-1] >= 0:
+                continue
+            req = c.request
+            if -1 in chunk[:-1] or self._prev is None or req.request_id not in self._prev[1]:
+                raise RuntimeError(f"request {req.request_id}: a pending token that the previous step did not sample")
+            prev_tokens, prev_rows = self._prev
+            view[-1] = prev_tokens[prev_rows[req.request_id]]  # device to device: no sync
         return out
 
 

@@ -41,6 +41,7 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
+from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.models.deepseek_v4_cache import (
     CompressorState,
     LayerCache,
@@ -166,21 +167,25 @@ class Attention(nn.Module):
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
 
-    def forward(self, x: torch.Tensor, positions: list[torch.Tensor], caches: list[LayerCache]) -> torch.Tensor:
-        """x [T, d] (normed), positions: per request [S_b] (sum S_b = T) -> [T, d]."""
+    def forward(
+        self, x: torch.Tensor, positions: list[torch.Tensor], caches: list[LayerCache], starts: list[int] | None = None
+    ) -> torch.Tensor:
+        """x [T, d] (normed), positions: per request [S_b] (sum S_b = T) -> [T, d]. ``starts``: each request's
+        first position as a host int (read from the device when absent: a sync)."""
         pos = torch.cat(positions)
         qr, q = self.query(x, pos)
         kv = self.window_kv(x, pos)
-        outs, start = [], 0
-        for p, cache in zip(positions, caches):
-            rows = slice(start, start + p.shape[0])
-            start += p.shape[0]
-            outs.append(self._attend_one(x[rows], qr[rows], q[rows], kv[rows], p, cache))
+        starts = starts if starts is not None else [int(p[0]) if p.numel() else 0 for p in positions]
+        outs, row = [], 0
+        for p, first, cache in zip(positions, starts, caches):
+            rows = slice(row, row + p.shape[0])
+            row += p.shape[0]
+            outs.append(self._attend_one(x[rows], qr[rows], q[rows], kv[rows], p, first, cache))
         return self.output(torch.cat(outs), pos)
 
-    def _attend_one(self, x, qr, q, kv, positions, cache: LayerCache) -> torch.Tensor:
+    def _attend_one(self, x, qr, q, kv, positions, start: int, cache: LayerCache) -> torch.Tensor:
         win = self.cfg.sliding_window
-        rows, base = cache.append_window(kv, win, int(positions[0]))  # latents of positions base .. last
+        rows, base = cache.append_window(kv, win, start)  # latents of positions base .. last
         # window: positions t-win+1 .. t, as rows of `rows`
         key_pos = positions[:, None] - win + 1 + torch.arange(win, device=x.device)
         idx = torch.where(key_pos >= 0, key_pos - base, -1)
@@ -244,9 +249,9 @@ class Block(MhcBlock):
         self.attn = Attention(cfg, layer, dtype, kind)
         self.ffn = MoE(cfg, layer, dtype)
 
-    def forward(self, x, input_ids, positions, caches):
+    def forward(self, x, input_ids, positions, caches, starts=None):
         """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
-        return self.run_block(x, input_ids, lambda u: self.attn(u, positions, caches))
+        return self.run_block(x, input_ids, lambda u: self.attn(u, positions, caches, starts))
 
     def run_block(self, x, input_ids, attn_fn):
         """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
@@ -272,13 +277,13 @@ class MTPLayer(Block):
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
 
-    def run(self, streams, embeds, ids, positions, windows):
+    def run(self, streams, embeds, ids, positions, windows, starts: list[int] | None = None):
         """streams [T, n, d] (X_main), embeds [T, d] of the next tokens ``ids`` [T], positions per request (RoPE
-        position i for the row of X_main at i) -> output streams [T, n, d]; each window ring advances. The
-        embedding is zeroed at position 0 (vLLM's convention)."""
+        position i for the row of X_main at i; ``starts`` their first as host ints) -> output streams [T, n, d];
+        each window ring advances. The embedding is zeroed at position 0 (vLLM's convention)."""
         pos = torch.cat(positions)
         e = self.enorm(torch.where((pos == 0)[:, None], 0, embeds))
-        return self(self.h_proj(self.hnorm(streams)) + self.e_proj(e)[:, None, :], ids, positions, windows)
+        return self(self.h_proj(self.hnorm(streams)) + self.e_proj(e)[:, None, :], ids, positions, windows, starts)
 
     def logits(self, streams: torch.Tensor, head: Linear) -> torch.Tensor:
         """Output streams [T, n, d] -> fp32 logits [T, V] through this layer's mHC head and norm."""
@@ -457,7 +462,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         if len(caches) != len(chunks):
             raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
         dev = self.embed.weight.device
-        positions = [torch.arange(c.seq_len, c.seq_len + ch.shape[0], device=dev) for c, ch in zip(caches, chunks)]
+        starts = [c.seq_len for c in caches]
+        positions = [torch.arange(s, s + ch.shape[0], device=dev) for s, ch in zip(starts, chunks)]
         ids = torch.cat(chunks).to(dev)
         x = self.embed.weight[ids]
         x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
@@ -465,25 +471,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if taps is not None and i in self.cfg.dspark.target_layer_ids:
                 taps[i] = x.float().mean(dim=1).to(x.dtype)
-            x = layer(x, ids, positions, [c.layers[i] for c in caches])
+            x = layer(x, ids, positions, [c.layers[i] for c in caches], starts)
         if taps is not None:
             if len(self.layers) in self.cfg.dspark.target_layer_ids:
                 taps[len(self.layers)] = x.float().mean(dim=1).to(x.dtype)
             self._write_dspark_context(taps, positions, caches)
-        # logits only for the rows asked for, all requests in one head call
+        # logits only for the rows asked for, all requests in one head call (row ids built on the host)
         picked, sizes, start = [], [], 0
         for j, (c, ch) in enumerate(zip(caches, chunks)):
-            rows = torch.arange(start, start + ch.shape[0], device=dev)
+            n = ch.shape[0]
             if c.mtp is not None:  # the MTP layer drafts from these streams once the next tokens are known
-                c.mtp.push(x[start : start + ch.shape[0]], c.seq_len)
-            start += ch.shape[0]
-            c.seq_len += ch.shape[0]
-            if logit_rows is not None and logit_rows[j] is not None:
-                rows = rows[logit_rows[j].to(dev)]
-            picked.append(rows)
-            sizes.append(rows.numel())
+                c.mtp.push(x[start : start + n], c.seq_len)
+            c.seq_len += n
+            want = range(n) if logit_rows is None or logit_rows[j] is None else logit_rows[j].tolist()
+            picked += [start + r for r in want]
+            sizes.append(len(want))
+            start += n
         hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        return list(head_logits(x[torch.cat(picked)], hc, self.norm, self.head, self.cfg).split(sizes))
+        return list(head_logits(x[long_tensor(picked, dev)], hc, self.norm, self.head, self.cfg).split(sizes))
 
     def dspark_feature(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target feature main_x [T, d] = main_norm(main_proj(concat of the tap layers' stream means))."""
@@ -493,7 +498,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _write_dspark_context(self, taps, positions: list[torch.Tensor], caches: list[SequenceCache]) -> None:
         """Each stage's context keys of the step's rows (they follow each request's ``ctx_end``)."""
         feat, start = self.dspark_feature(taps), 0
-        for pos, c in zip(positions, caches):
+        for pos, c in zip(positions, caches):  # each request's rows follow its ctx_end (no device read)
             rows = feat[start : start + pos.numel()]
             start += pos.numel()
             if not pos.numel():
@@ -559,22 +564,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         next chained row embeds. The chained rows leave the window rings again (they were drafts).
         """
         layer, dev = self.mtp[0], self.embed.weight.device
-        streams, ids, positions = [], [], []
+        streams, ids, positions, starts = [], [], [], []
         for st, tokens, a in zip(states, token_ids, anchors):
             rows, first = st.take(a, self.cfg.hc_mult)
             streams.append(rows)
             positions.append(torch.arange(first, a, device=dev))
-            ids.append(torch.tensor(tokens(first + 1, a + 1), dtype=torch.int64, device=dev))
+            starts.append(first)
+            ids += tokens(first + 1, a + 1)
             st.seq_len = a
         windows = [st.window for st in states]
-        flat = torch.cat(ids)
-        x = layer.run(torch.cat(streams), self.embed.weight[flat], flat, positions, windows)
-        x = x[torch.tensor([p.numel() for p in positions], device=dev).cumsum(0) - 1]
+        flat = long_tensor(ids, dev)
+        x = layer.run(torch.cat(streams), self.embed.weight[flat], flat, positions, windows, starts)
+        ends = torch.tensor([a - first for a, first in zip(anchors, starts)]).cumsum(0) - 1
+        x = x[long_tensor(ends.tolist(), dev)]  # each request's last row (the anchor's)
         for j in range(num_drafts):
             drafts = sample(j, layer.logits(x, self.head))
             if j + 1 < num_drafts:
-                pos = [torch.tensor([a + j], device=dev) for a in anchors]
-                x = layer.run(x, self.embed.weight[drafts], drafts, pos, windows)
+                pos = [torch.arange(a + j, a + j + 1, device=dev) for a in anchors]
+                x = layer.run(x, self.embed.weight[drafts], drafts, pos, windows, [a + j for a in anchors])
         for st in states:
             st.drop_chained(num_drafts - 1)
 

@@ -56,6 +56,7 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
+from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, draft_block_key_ids, param
@@ -217,17 +218,23 @@ class StepRows:
     positions: torch.Tensor  # [S] absolute positions
     cache: V41SequenceCache
     yoco_floor: int | None  # decoder window floor for this prefill chunk (None: no truncation)
+    start: int  # positions[0] as a host int (reading it from the device would be a sync)
 
 
-def _kept_rows(steps: list[StepRows]) -> tuple[torch.Tensor, list[StepRows]]:
-    """Compact YOCO: the flat mask of rows at or after each request's floor, and the re-sliced steps."""
-    keep = torch.cat([st.positions >= (st.yoco_floor or 0) for st in steps])
-    kept, start = [], 0
+def _kept_rows(steps: list[StepRows], dev) -> tuple[torch.Tensor, list[StepRows], list[int]]:
+    """Compact YOCO: the flat ids of the rows at or after each request's floor (a suffix of its chunk), the
+    re-sliced steps, and each flat row's index among the kept rows (-1: dropped). Built on the host."""
+    keep, kept, where, start = [], [], [], 0
     for st in steps:
-        pos = st.positions[st.positions >= (st.yoco_floor or 0)]
-        kept.append(StepRows(slice(start, start + pos.numel()), pos, st.cache, st.yoco_floor))
-        start += pos.numel()
-    return keep, kept
+        n = st.rows.stop - st.rows.start
+        skip = min(max((st.yoco_floor or 0) - st.start, 0), n)
+        keep += range(st.rows.start + skip, st.rows.stop)
+        where += [-1] * skip + list(range(start, start + n - skip))
+        kept.append(
+            StepRows(slice(start, start + n - skip), st.positions[skip:], st.cache, st.yoco_floor, st.start + skip)
+        )
+        start += n - skip
+    return long_tensor(keep, dev), kept, where
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -436,16 +443,16 @@ class Attention(nn.Module):
         src.entries.append(entry)
         src.keys.append(key)
 
-    def forward_chunk(self, x, x_comp, pos, pos_comp, cache: V41SequenceCache, floor, shared: dict):
-        """One request's rows: x [S, d] normed inputs at ``pos``; x_comp/pos_comp the compressor's rows
-        (all rows of the chunk, also in compact YOCO mode). ``shared`` carries top-k / candidates from
-        sources to consumers within this step."""
+    def forward_chunk(self, x, x_comp, pos, pos_comp, cache: V41SequenceCache, floor, shared: dict, start: int):
+        """One request's rows: x [S, d] normed inputs at ``pos`` (``start`` = pos[0] as a host int); x_comp /
+        pos_comp the compressor's rows (all rows of the chunk, also in compact YOCO mode). ``shared`` carries
+        top-k / candidates from sources to consumers within this step."""
         if self.kv_source == self.layer:
             self.feed_compressor(x_comp, pos_comp, cache.source(self.layer, self.ratio))
         if not pos.numel():  # compact YOCO: no decoder rows of this request in this chunk
             return x.new_zeros(0, self.cfg.hidden_size)
         qr, q = self.query(x, pos)
-        rows, first = self.append_window(cache, self.window_kv(x, pos), int(pos[0]))
+        rows, first = self.append_window(cache, self.window_kv(x, pos), start)
         return self.attend_cached(x, qr, q, rows, first, pos, floor, cache, shared)
 
     def append_window(self, cache: V41SequenceCache, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
@@ -705,7 +712,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     def engram_ids(self, ids: torch.Tensor, history: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """Hash ids [S, 24] per Engram layer for one request's chunk ``ids`` [S]."""
         compressed = self.engram_token_map[ids][None]
-        pad = int(self.engram_token_map[self.cfg.engram_pad_token_id])
+        token_map = self.engram_token_map
+        if getattr(self, "_engram_pad", (None,))[0] != token_map._version:  # read once per map (a device read)
+            self._engram_pad = (token_map._version, int(token_map[self.cfg.engram_pad_token_id]))
+        pad = self._engram_pad[1]
         out = {}
         for block in self.layers:
             if hasattr(block, "engram"):
@@ -754,11 +764,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         cfg = self.cfg
         if len(caches) != len(chunks):
             raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
-        for ids in chunks:
-            if (ids == cfg.image_token_id).any():
-                raise ValueError(
-                    f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
-                )
         dev = self.embed.weight.device
         steps, start = [], 0
         for i, (ids, c) in enumerate(zip(chunks, caches)):
@@ -766,17 +771,20 @@ class DeepseekV41ForCausalLM(nn.Module):
             if self.yoco_mode != "off" and prompt_lens is not None and prompt_lens[i] is not None:
                 floor = max(prompt_lens[i] - self.yoco_keep, 0)
             n = ids.shape[0]
-            steps.append(
-                StepRows(slice(start, start + n), torch.arange(c.seq_len, c.seq_len + n, device=dev), c, floor)
-            )
+            positions = torch.arange(c.seq_len, c.seq_len + n, device=dev)
+            steps.append(StepRows(slice(start, start + n), positions, c, floor, c.seq_len))
             start += n
         ids = torch.cat(chunks).to(dev)
+        if (ids == cfg.image_token_id).any():  # one check per step (the engine refuses them at admission)
+            raise ValueError(
+                f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
+            )
         engram = [self.engram_ids(chunk.to(dev), st.cache.engram_history) for chunk, st in zip(chunks, steps)]
         x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
         shared = [dict() for _ in steps]
         taps: dict[int, torch.Tensor] = {}
-        keep = torch.ones(x.shape[0], dtype=torch.bool, device=dev)
+        where = list(range(x.shape[0]))  # each flat row's index among the rows still computed (-1: dropped)
         comp_inputs, comp_rows = None, None
         all_steps = steps
         for block in self.layers:
@@ -784,7 +792,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if layer == cfg.n_prefill_layer and self.yoco_mode == "compact" and any(st.yoco_floor for st in steps):
                 # the boundary layer's compressor reads every row; everything else runs on kept rows only
                 comp_inputs, comp_rows = block.attn_norm(mhc_collapse(x, pre_mix)), steps
-                keep, steps = _kept_rows(steps)
+                keep, steps, where = _kept_rows(steps, dev)
                 x, pre_mix = x[keep], pre_mix[keep]
             if hasattr(block, "engram"):
                 e_ids = torch.cat([engram[i][layer] for i in range(len(steps))])
@@ -795,25 +803,26 @@ class DeepseekV41ForCausalLM(nn.Module):
             comp = (comp_inputs, comp_rows) if boundary else None
             x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
         # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
-        flat_of_kept = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
-        flat_of_kept[keep] = torch.arange(int(keep.sum()), device=dev)
-        picked, sizes = [], []
+        picked, sizes = [], []  # row ids built on the host: no device reads
         for i, st in enumerate(all_steps):
-            rows = torch.arange(st.rows.start, st.rows.stop, device=dev)
-            if logit_rows is not None and logit_rows[i] is not None:
-                rows = rows[logit_rows[i].to(dev)]
-            picked.append(rows)
-            sizes.append(rows.numel())
-        kept_rows = flat_of_kept[torch.cat(picked)]
-        flat = torch.full((kept_rows.numel(), cfg.vocab_size), float("nan"), device=dev)
-        ok = kept_rows >= 0
-        if ok.any():  # one head call for every request's rows
-            flat[ok] = self.logits(x[kept_rows[ok]], pre_mix[kept_rows[ok]])
+            n = st.rows.stop - st.rows.start
+            want = range(n) if logit_rows is None or logit_rows[i] is None else logit_rows[i].tolist()
+            picked += [where[st.rows.start + r] for r in want]
+            sizes.append(len(want))
+        ok = [k for k, w in enumerate(picked) if w >= 0]
+        if len(ok) == len(picked):  # one head call for every request's rows
+            idx = long_tensor(picked, dev)
+            flat = self.logits(x[idx], pre_mix[idx])
+        else:
+            flat = torch.full((len(picked), cfg.vocab_size), float("nan"), device=dev)
+            if ok:
+                idx = long_tensor([picked[k] for k in ok], dev)
+                flat[long_tensor(ok, dev)] = self.logits(x[idx], pre_mix[idx])
         outs = list(flat.split(sizes))
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for st in steps:
-                self._write_dspark_context(feats[st.rows], st.positions, st.cache)
+                self._write_dspark_context(feats[st.rows], st.positions, st.cache, st.start)
         for chunk, st in zip(chunks, all_steps):
             c = st.cache
             c.engram_history = engram_next_history(
@@ -834,16 +843,17 @@ class DeepseekV41ForCausalLM(nn.Module):
                     (u[st.rows], st.positions) if comp is None else (comp[0][comp[1][j].rows], comp[1][j].positions)
                 )
                 floor = st.yoco_floor if decoder else None
-                outs.append(block.attn.forward_chunk(u[st.rows], xc, st.positions, pc, st.cache, floor, shared[j]))
+                outs.append(
+                    block.attn.forward_chunk(u[st.rows], xc, st.positions, pc, st.cache, floor, shared[j], st.start)
+                )
             return torch.cat(outs)
 
         return attn_fn
 
-    def _write_dspark_context(self, feat: torch.Tensor, pos: torch.Tensor, cache: V41SequenceCache) -> None:
-        """Each stage's context key for target rows ``pos`` (spec procedure D step 1)."""
+    def _write_dspark_context(self, feat: torch.Tensor, pos: torch.Tensor, cache: V41SequenceCache, start: int) -> None:
+        """Each stage's context key for target rows ``pos`` (= start, start + 1, ...; spec procedure D step 1)."""
         if not pos.numel():
             return
-        start = int(pos[0])
         for k, stage in enumerate(self.mtp):
             cache.dspark_ctx[k].write(start, stage.attn.window_kv(feat, pos))
         cache.ctx_end = start + pos.numel()

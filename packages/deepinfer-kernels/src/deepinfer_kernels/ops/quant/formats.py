@@ -13,6 +13,8 @@ point, so results do not depend on a libm.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -31,6 +33,13 @@ _E8M0_MIN_EXP = -127  # byte 0
 _E8M0_MAX_EXP = 127  # byte 254 (255 is NaN)
 
 
+@functools.cache
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """fp32 ``values`` on ``device``, made once: a fresh ``torch.tensor`` per call is a blocking host-to-device
+    copy, which stalls the host behind the GPU queue (a sync per call in a decode step)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, sign in bit 3) of ``y`` rounded to nearest-even onto the E2M1 grid, saturating at 6.
 
@@ -39,7 +48,7 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
     """
     y = y.float()
     mag = y.abs().contiguous()
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=y.device)
+    mids = _constant(_E2M1_MIDPOINTS, y.device)
     # number of midpoints strictly below |y| = code of the lower neighbour when on a midpoint
     code = torch.bucketize(mag, mids, right=False)
     ties_up = torch.zeros_like(mag, dtype=torch.bool)
@@ -51,7 +60,7 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
 
 def e2m1_lut(device: torch.device | str = "cpu") -> torch.Tensor:
     """The 16-entry code -> value table as fp32 on ``device``."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return _constant(tuple(E2M1_VALUES), torch.device(device))
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -107,7 +116,7 @@ def pow2_scale_exponent(amax: torch.Tensor, floor: float, max_code: float) -> to
     value within 2^18 ulps of the binade edges, the only place a rounding error could matter), i.e. 2^k
     is the smallest power of two with amax / 2^k <= max_code.
     """
-    inv = torch.tensor(1.0 / max_code, dtype=torch.float32, device=amax.device)
+    inv = _constant((1.0 / max_code,), amax.device)[0]
     t = amax.float().clamp_min(floor) * inv
     return ceil_log2_exact(t).clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
 
