@@ -14,6 +14,7 @@ from deepinfer_kernels.ops.engram import (
     engram_table_primes,
 )
 from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
+from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
@@ -67,6 +68,8 @@ __all__ = [
     "kv_compress_pool",
     "overlap_windows",
     "grouped_linear",
+    "grouped_gemm",
+    "grouped_gemm_gather",
     "MhcConfig",
     "MhcParams",
     "mhc_coefficients",

@@ -218,7 +218,7 @@ def moe_experts(
 
     Args:
         x: [T, d] any float dtype.
-        experts: [T, k] integer expert ids in [0, E) (out of range -> ValueError).
+        experts: [T, k] integer expert ids in [0, E) (out of range -> ValueError from the reference).
         weights: [T, k] routing weights (fp32).
         w13: [E, 2I, d]: rows 0..I-1 = gate (``w1``), rows I..2I-1 = up (``w3``); or ``Mxfp4Experts``.
         w2: [E, d, I] down projection; or ``Mxfp4Experts`` (both or neither).
@@ -226,6 +226,12 @@ def moe_experts(
 
     Returns:
         [T, d] in x.dtype. Only experts that were hit are computed.
+
+    Dense bf16 / fp32 stacks on CUDA take the Triton backend (``moe/triton.py``: ``grouped_gemm[_gather]`` with
+    ``moe_permute`` / ``moe_unpermute``, no host synchronisation, no weight copies, batch-invariant). It keeps
+    every product exact and the down projection's input in fp32, so it differs from the reference only in
+    the order of fp32 sums (a token adds its k expert outputs in slot order, not ascending expert id); it
+    does not validate expert ids (that would synchronise).
 
     With ``Mxfp4Experts`` weights the MXFP4 grouped-GEMM ops run instead (``mxfp4_grouped_gemm[_gather]``,
     ``moe_permute`` / ``moe_unpermute``): the same function of the dequantised weights, except that a token
@@ -277,6 +283,11 @@ def swiglu_mlp(
         raise ValueError(f"swiglu_mlp: w2 {tuple(w2.shape)} != ({d}, {w1.shape[0]})")
     return dispatch("swiglu_mlp", x.device, x, w1, w3, w2, swiglu_limit=swiglu_limit)
 
+
+try:  # the GPU backend of the dense path registers itself when Triton imports
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
 
 __all__ = [
     "SCORING_FUNCS",

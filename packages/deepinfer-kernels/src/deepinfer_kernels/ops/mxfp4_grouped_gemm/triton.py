@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
 
@@ -184,22 +185,6 @@ def _block_k(k: int, want: int) -> int:
     return want if k % want == 0 else 32
 
 
-def _tile_schedule(expert_offsets: torch.Tensor, rows: int, block_m: int):
-    """Device-side tile list: for tile slot i, (expert or -1, first row, end row); ceil(R/BM) + E slots."""
-    off = expert_offsets.to(torch.int64)
-    n_exp = off.shape[0] - 1
-    tiles = torch.div(off[1:] - off[:-1] + block_m - 1, block_m, rounding_mode="floor")
-    cum = torch.cumsum(tiles, 0)
-    slots = -(-rows // block_m) + n_exp
-    i = torch.arange(slots, device=off.device)
-    e = torch.searchsorted(cum, i, right=True)  # first expert whose tiles end after slot i
-    valid = e < n_exp
-    ec = e.clamp(max=n_exp - 1)
-    r0 = off[ec] + (i - (cum[ec] - tiles[ec])) * block_m
-    tile_e = torch.where(valid, ec, -1).to(torch.int32)
-    return tile_e, r0.to(torch.int32), off[ec + 1].to(torch.int32), slots
-
-
 def _prep(x, w, w_scale, fuse_swiglu, row_scale):
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     xs = x.contiguous()
@@ -221,7 +206,7 @@ def mxfp4_grouped_gemm_triton(
     cfg = GROUPED_CFG
     bm, bk = cfg["BLOCK_M"], _block_k(k, cfg["BLOCK_K"])
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
-    tile_e, tile_r0, tile_r1, slots = _tile_schedule(expert_offsets, rows, bm)
+    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm)
     grid = (triton.cdiv(n_out, bn), slots)
     _grouped_kernel[grid](
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,

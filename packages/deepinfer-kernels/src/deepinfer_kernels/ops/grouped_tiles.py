@@ -1,0 +1,26 @@
+"""What the contiguous grouped expert GEMM kernels share (``grouped_gemm``, ``mxfp4_grouped_gemm``): the tile
+list built on the device from the expert offsets, so that no launch waits for the host.
+
+A tile is BLOCK_M consecutive rows of one expert, starting at the expert's first row: the rows of expert e
+are split at off[e], off[e] + BLOCK_M, ... whatever the other experts own, so a row's tile position depends
+on its expert's offset only."""
+
+import torch
+
+
+def expert_tile_schedule(expert_offsets: torch.Tensor, rows: int, block_m: int):
+    """Device-side tile list for R = ``rows`` sorted rows: for tile slot i, (expert or -1, first row, end row),
+    as int32 tensors, and the slot count ceil(R / BLOCK_M) + E (an upper bound on the tiles, from shapes
+    only: slots past the last tile hold expert -1 and their programs return at once)."""
+    off = expert_offsets.to(torch.int64)
+    n_exp = off.shape[0] - 1
+    tiles = torch.div(off[1:] - off[:-1] + block_m - 1, block_m, rounding_mode="floor")
+    cum = torch.cumsum(tiles, 0)
+    slots = -(-rows // block_m) + n_exp
+    i = torch.arange(slots, device=off.device)
+    e = torch.searchsorted(cum, i, right=True)  # first expert whose tiles end after slot i
+    valid = e < n_exp
+    ec = e.clamp(max=n_exp - 1)
+    r0 = off[ec] + (i - (cum[ec] - tiles[ec])) * block_m
+    tile_e = torch.where(valid, ec, -1).to(torch.int32)
+    return tile_e, r0.to(torch.int32), off[ec + 1].to(torch.int32), slots

@@ -1,0 +1,77 @@
+"""GPU backend of ``moe_experts`` for dense expert stacks (bf16 or fp32 w13 / w2): the grouped-GEMM ops, with
+no host synchronisation and no copies of expert weights.
+
+* few (token, slot) rows (decode; ``gather_layout``): ``grouped_gemm_gather`` for gate/up (each row reads
+  x[token] and its expert's weights) then for the down projection, in (token, slot) order;
+* many rows (prefill): ``moe_permute`` (rows sorted by expert, on the device), ``grouped_gemm`` for gate/up
+  and down;
+
+then ``moe_unpermute`` sums each token's k rows in slot order (fp32) and casts to x.dtype once. The gate/up
+GEMM fuses the clamped SwiGLU and the routing weight (before the down projection, as the reference) and writes
+fp32, which the down GEMM reads as three exact bf16 terms: nothing is rounded to bf16 before the final cast.
+
+Against ``moe_experts_ref`` the result differs only in the order of fp32 sums: within each dot product, and
+a token adds its k expert outputs in slot order where the reference adds them in ascending expert id.
+
+Batch-invariant: a (token, slot) row gets the same bits in either layout and whatever the other rows are (see
+``grouped_gemm.triton``), and the slot-order sum is the token's own, so the layout threshold (shapes only)
+cannot change a token's result either; registered ``batch_invariant=True`` (the GPU tests check a token alone
+against the same token among 8, 512 and 4096, bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.ops._triton_launch import triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+from .reference import moe_experts_ref
+
+# at most one (token, slot) row per GATHER_EXPERTS_PER_ROW experts takes the gathered layout: rows of one
+# expert re-read its weights there, which the sorted layout avoids at the price of the sort's launches. V4-Flash
+# on an H200 (bench_grouped_gemm.py --threshold, eager): gathered 0.62 / 1.53 / 2.29 ms against sorted
+# 0.99 / 1.56 / 1.94 ms at 8 / 21 / 32 tokens; with 256 experts and top-6, T <= 21 gathers
+GATHER_EXPERTS_PER_ROW = 2
+
+
+def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """True when ``moe_experts_triton`` uses the gathered (decode) layout; from shapes only."""
+    return num_tokens * top_k * GATHER_EXPERTS_PER_ROW <= num_experts
+
+
+def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
+    # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref)
+    from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
+    from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+
+    dense = (torch.bfloat16, torch.float32)
+    if w13.dtype not in dense or w2.dtype not in dense or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return moe_experts_ref(x, experts, weights, w13, w2, swiglu_limit=swiglu_limit)
+    t, k = experts.shape
+    if t == 0 or k == 0:
+        return x.new_zeros(x.shape)
+    num_experts = w13.shape[0]
+    flat_e = experts.reshape(-1)
+    flat_w = weights.reshape(-1).float()
+    f32 = torch.float32
+    if gather_layout(t, k, num_experts):
+        rows = torch.arange(t * k, device=x.device) // k
+        h = grouped_gemm_gather(
+            x, w13, flat_e, row_index=rows, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w,
+            out_dtype=f32,
+        )  # fmt: skip
+        y = grouped_gemm_gather(h, w2, flat_e, out_dtype=f32)
+        return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
+    xs, order, offsets = moe_permute(x, experts, num_experts)
+    h = grouped_gemm(
+        xs, w13, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w[order], out_dtype=f32
+    )
+    y = grouped_gemm(h, w2, offsets, out_dtype=f32)
+    return moe_unpermute(y, order, t, None, out_dtype=x.dtype)
+
+
+register_backend(
+    "moe_experts", "triton", moe_experts_triton, devices=("cuda",), priority=20, available=triton_cuda_available,
+    batch_invariant=True,
+)  # fmt: skip
