@@ -1,5 +1,6 @@
-"""What the contiguous grouped expert GEMM kernels share (``grouped_gemm``, ``mxfp4_grouped_gemm``): the tile
-list built on the device from the expert offsets, so that no launch waits for the host.
+"""What the grouped expert GEMM ops share (``grouped_gemm``, ``mxfp4_grouped_gemm``): the contiguous kernels' tile
+list built on the device from the expert offsets, so that no launch waits for the host, and the per-row argument
+check.
 
 A tile is BLOCK_M consecutive rows of one expert, starting at the expert's first row: the rows of expert e
 are split at off[e], off[e] + BLOCK_M, ... whatever the other experts own, so a row's tile position depends
@@ -24,3 +25,12 @@ def expert_tile_schedule(expert_offsets: torch.Tensor, rows: int, block_m: int):
     r0 = off[ec] + (i - (cum[ec] - tiles[ec])) * block_m
     tile_e = torch.where(valid, ec, -1).to(torch.int32)
     return tile_e, r0.to(torch.int32), off[ec + 1].to(torch.int32), slots
+
+
+def check_row_vector(op: str, t: torch.Tensor | None, name: str, rows: int, integer: bool) -> None:
+    """``t`` (if given) must be a 1-D integer (or floating-point) tensor of ``rows`` entries; ValueError naming it."""
+    if t is None:
+        return
+    if t.dim() != 1 or t.shape[0] != rows or t.is_floating_point() == integer:
+        kind = "integer" if integer else "floating point"
+        raise ValueError(f"{op}: {name} must be {kind} [{rows}], got {t.dtype}{tuple(t.shape)}")

@@ -51,7 +51,16 @@ from deepinfer_runtime.models.deepseek_v4_cache import (
 )
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v4_mtp import MTPState, head_logits
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, draft_block_key_ids, param
+from deepinfer_runtime.models.layers import (
+    Experts,
+    Linear,
+    MhcBlock,
+    Norm,
+    SharedExpert,
+    draft_block_inputs,
+    draft_block_key_ids,
+    param,
+)
 from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
 
 
@@ -527,16 +536,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """
         if self.draft_method != "dspark":
             raise ValueError("this model was built without its DSpark stages (dspark=True)")
-        spec, dev = self.cfg.dspark, anchors.device
-        n, last = spec.block_size, self.mtp[-1]
+        spec, last = self.cfg.dspark, self.mtp[-1]
         bases, hiddens = [], []
         for anchor, cache in zip(anchors.tolist(), caches):
-            a = cache.seq_len
-            if cache.ctx_end != a:
-                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
-            pos = torch.arange(a, a + n, device=dev)
-            ids = torch.tensor([anchor] + [spec.noise_token_id] * (n - 1), device=dev)
-            x = self.embed.weight[ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+            pos, ids, x = draft_block_inputs(
+                anchor, cache, spec.block_size, spec.noise_token_id, self.embed.weight, self.cfg.hc_mult
+            )
             for k, stage in enumerate(self.mtp):
                 ring = cache.dspark_ctx[k]
                 ctx = ring.read(max(ring.lo, ring.end - self.cfg.sliding_window), ring.end)

@@ -59,7 +59,16 @@ from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
-from deepinfer_runtime.models.layers import Experts, Linear, MhcBlock, Norm, SharedExpert, draft_block_key_ids, param
+from deepinfer_runtime.models.layers import (
+    Experts,
+    Linear,
+    MhcBlock,
+    Norm,
+    SharedExpert,
+    draft_block_inputs,
+    draft_block_key_ids,
+    param,
+)
 from deepinfer_runtime.slot_pool import (
     CacheSnapshot,
     Ring,
@@ -878,16 +887,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         cfg = self.cfg
         if not self.mtp:
             raise ValueError("this checkpoint has no DSpark head (num_nextn_predict_layers = 0)")
-        n, dev = cfg.dspark_block_size, anchors.device
+        n = cfg.dspark_block_size
         bases, hiddens = [], []
         for anchor, cache in zip(anchors.tolist(), caches):
-            a = cache.seq_len
-            if cache.ctx_end != a:
-                raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
-            pos = torch.arange(a, a + n, device=dev)
-            ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (n - 1), device=dev)
-            x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-            pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, dev)
+            pos, ids, x = draft_block_inputs(
+                anchor, cache, n, cfg.dspark_noise_token_id, self.embed.weight, cfg.hc_mult
+            )
+            pre_mix = mhc_initial_pre_mix(n, cfg.hc_mult, x.device)
             for k, stage in enumerate(self.mtp):
                 ring = cache.dspark_ctx[k]
                 ctx = ring.read(max(ring.lo, ring.end - stage.attn.window), ring.end)

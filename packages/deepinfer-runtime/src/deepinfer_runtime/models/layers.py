@@ -101,6 +101,18 @@ def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=0)
 
 
+def draft_block_inputs(anchor: int, cache, block_size: int, noise_token_id: int, embed: torch.Tensor, hc_mult: int):
+    """One request's DSpark draft block: positions [N] a .. a + N - 1 (a = ``cache.seq_len``, where the cache's
+    DSpark context must end), token ids [N] int64 = [anchor, noise x (N - 1)] and their streams [N, hc_mult, d]."""
+    a = cache.seq_len
+    if cache.ctx_end != a:
+        raise ValueError(f"DSpark context ends at {cache.ctx_end}, anchor position is {a}")
+    pos = torch.arange(a, a + block_size, device=embed.device)
+    ids = torch.full((block_size,), noise_token_id, dtype=torch.long, device=embed.device)
+    ids[0] = anchor
+    return pos, ids, embed[ids][:, None, :].expand(-1, hc_mult, -1).contiguous()
+
+
 def draft_block_key_ids(window: int, num_ctx: int, block: int, device: torch.device) -> torch.Tensor:
     """Key ids [window + block] shared by every row of a non-causal draft block (DSpark) whose keys are
     [num_ctx context rows (num_ctx <= window) | block rows]: the context rows right-aligned in the first

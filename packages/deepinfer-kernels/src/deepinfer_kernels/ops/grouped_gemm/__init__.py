@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_kernels.ops.grouped_tiles import check_row_vector
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -41,14 +42,6 @@ def _check(op: str, x: torch.Tensor, w: torch.Tensor, fuse_swiglu: bool, out_dty
         raise ValueError(f"{op}: fuse_swiglu needs an even N (gate rows then up rows), got {w.shape[1]}")
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-
-
-def _check_rows(op: str, t: torch.Tensor | None, name: str, rows: int, integer: bool) -> None:
-    if t is None:
-        return
-    if t.dim() != 1 or t.shape[0] != rows or t.is_floating_point() == integer:
-        kind = "integer" if integer else "floating point"
-        raise ValueError(f"{op}: {name} must be {kind} [{rows}], got {t.dtype}{tuple(t.shape)}")
 
 
 def grouped_gemm(
@@ -84,7 +77,7 @@ def grouped_gemm(
     _check(op, x, w, fuse_swiglu, out_dtype)
     if expert_offsets.dim() != 1 or expert_offsets.shape[0] != w.shape[0] + 1 or expert_offsets.is_floating_point():
         raise ValueError(f"{op}: expert_offsets must be integer [{w.shape[0] + 1}], got {tuple(expert_offsets.shape)}")
-    _check_rows(op, row_scale, "row_scale", x.shape[0], integer=False)
+    check_row_vector(op, row_scale, "row_scale", x.shape[0], integer=False)
     return dispatch(
         op, x.device, x, w, expert_offsets,
         fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
@@ -123,11 +116,11 @@ def grouped_gemm_gather(
     op = "grouped_gemm_gather"
     _check(op, x, w, fuse_swiglu, out_dtype)
     p = row_expert.shape[0] if row_expert.dim() == 1 else -1
-    _check_rows(op, row_expert, "row_expert", p, integer=True)
-    _check_rows(op, row_index, "row_index", p, integer=True)
+    check_row_vector(op, row_expert, "row_expert", p, integer=True)
+    check_row_vector(op, row_index, "row_index", p, integer=True)
     if row_index is None and p != x.shape[0]:
         raise ValueError(f"{op}: without row_index, row_expert must have one entry per row of x ({x.shape[0]})")
-    _check_rows(op, row_scale, "row_scale", p, integer=False)
+    check_row_vector(op, row_scale, "row_scale", p, integer=False)
     return dispatch(
         op, x.device, x, w, row_expert,
         row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
