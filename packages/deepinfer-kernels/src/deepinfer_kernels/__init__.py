@@ -28,6 +28,7 @@ from deepinfer_kernels.ops.mhc import (
     mhc_head_weights,
     mhc_initial_pre_mix,
     mhc_lagged_layer,
+    mhc_lagged_site,
     mhc_same_site_sublayer,
 )
 from deepinfer_kernels.ops.moe import (
@@ -78,6 +79,7 @@ __all__ = [
     "mhc_head_weights",
     "mhc_initial_pre_mix",
     "mhc_lagged_layer",
+    "mhc_lagged_site",
     "mhc_same_site_sublayer",
     "moe_experts",
     "Mxfp4Experts",

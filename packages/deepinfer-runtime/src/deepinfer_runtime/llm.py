@@ -78,6 +78,8 @@ class LLM:
             this mode; the CPU references always are, so on the CPU it costs nothing.
         async_scheduling: plan and launch step N+1 while the device still runs step N (default: on for CUDA,
             off on the CPU, where host and device are the same cores). Outputs are identical either way.
+        enforce_eager: True: no CUDA graphs. False (on CUDA): the FFN sublayers of steps of at most
+            ``cuda_graph_max_tokens`` tokens replay CUDA graphs (``cuda_graphs``; bitwise the eager results).
         speculative_config: speculative decoding, vLLM's dict shape: ``{"method": "dspark",
             "num_speculative_tokens": 5}`` (V4.1's DSpark head), ``{"method": "mtp", "num_speculative_tokens": 1}``
             (V4-Flash's MTP layer, loaded only then), ``{"method": "ngram", ...}`` (prompt lookup,
@@ -116,6 +118,8 @@ class LLM:
         batch_invariant: bool | None = None,
         log_stats: bool = True,
         async_scheduling: bool | None = None,
+        enforce_eager: bool = True,
+        cuda_graph_max_tokens: int = 64,
         speculative_config: dict | None = None,
         data_parallel_size: int = 1,
         expert_parallel_size: int | None = None,
@@ -202,6 +206,8 @@ class LLM:
         ):
             arch_opts["dspark"] = True  # likewise V4-Flash-0731's DSpark stages (V4.1 always loads its own)
         self.model = load_model(path, dtype=dtype, device=self.device, shard=load_shard, **arch_opts)
+        if not enforce_eager and self.device.type == "cuda":
+            self.model.enable_cuda_graphs(cuda_graph_max_tokens)
         self.tokenizer = Tokenizer(path)
         cfg = self.model.cfg
         limit = min(cfg.max_position_embeddings, 32768)

@@ -41,6 +41,7 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
+from deepinfer_runtime.cuda_graphs import SublayerGraphs
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.models.deepseek_v4_cache import (
     CompressorState,
@@ -248,7 +249,11 @@ class MoE(nn.Module):
 
 
 class Block(MhcBlock):
-    """Layer ``layer`` (its attention kind from the schedule unless ``kind`` is given: the MTP layer's)."""
+    """Layer ``layer`` (its attention kind from the schedule unless ``kind`` is given: the MTP layer's). With
+    ``graphs`` (``cuda_graphs.SublayerGraphs``, set by ``enable_cuda_graphs``) the FFN sublayer of short steps
+    replays a CUDA graph."""
+
+    graphs = None
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__(cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
@@ -265,6 +270,13 @@ class Block(MhcBlock):
     def run_block(self, x, input_ids, attn_fn):
         """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
         x = mhc_same_site_sublayer(x, lambda u: attn_fn(self.attn_norm(u)), self.mhc("attn"), self.hc)
+        if self.graphs is not None and self.graphs.applies(x):
+            return self.graphs.run(self, self.ffn_sublayer, x, input_ids)
+        return self.ffn_sublayer(x, input_ids)
+
+    def ffn_sublayer(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The FFN site: streams x [T, n, d] and the tokens [T] (hash routing) -> streams [T, n, d]. Static shapes
+        and no host reads: CUDA-graph safe."""
         return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self.mhc("ffn"), self.hc)
 
 
@@ -401,6 +413,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             stages = range(cfg.dspark.num_stages)
             self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, confidence_head) for s in stages)
             self.draft_method = "dspark"
+
+    def enable_cuda_graphs(self, max_tokens: int = 64) -> SublayerGraphs:
+        """Replay the FFN sublayers of steps of at most ``max_tokens`` tokens from CUDA graphs (``cuda_graphs``);
+        results stay bitwise those of eager execution."""
+        graphs = SublayerGraphs(max_tokens)
+        for m in self.modules():
+            if isinstance(m, Block):
+                m.graphs = graphs
+        return graphs
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
         """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens; with MTP

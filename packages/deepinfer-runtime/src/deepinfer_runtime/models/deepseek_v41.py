@@ -45,7 +45,7 @@ from deepinfer_kernels import (
     linear,
     mhc_collapse,
     mhc_initial_pre_mix,
-    mhc_lagged_layer,
+    mhc_lagged_site,
     moe_route_topk,
     rope_interleaved,
     rope_inv_freq,
@@ -56,6 +56,7 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
+from deepinfer_runtime.cuda_graphs import SublayerGraphs
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
@@ -529,7 +530,11 @@ class MoE(nn.Module):
 
 
 class Block(MhcBlock):
-    """Backbone layer or DSpark stage: [Engram] -> attention site -> FFN site, single-pass mHC (spec 6)."""
+    """Backbone layer or DSpark stage: [Engram] -> attention site -> FFN site, single-pass mHC (spec 6). With
+    ``graphs`` (``cuda_graphs.SublayerGraphs``, set by ``enable_cuda_graphs``) the FFN site of short steps replays
+    a CUDA graph."""
+
+    graphs = None
 
     def __init__(
         self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, fake_quant: bool, n_experts: int, top_k: int
@@ -545,16 +550,17 @@ class Block(MhcBlock):
             self.engram = Engram(cfg, layer, dtype)
 
     def run(self, x, pre_mix, attn_fn):
-        """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]."""
-        return mhc_lagged_layer(
-            x,
-            pre_mix,
-            lambda u: attn_fn(self.attn_norm(u)),
-            lambda u: self.ffn(self.ffn_norm(u)),
-            self.mhc("attn"),
-            self.mhc("ffn"),
-            self.hc,
-        )
+        """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]. The two sites of
+        ``mhc_lagged_layer``, the FFN one through ``ffn_site``."""
+        x, pre = mhc_lagged_site(x, pre_mix, lambda u: attn_fn(self.attn_norm(u)), self.mhc("attn"), self.hc)
+        if self.graphs is not None and self.graphs.applies(x):
+            return self.graphs.run(self, self.ffn_site, x, pre)
+        return self.ffn_site(x, pre)
+
+    def ffn_site(self, x: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams x [T, n, d] and the attention site's pre [T, n] -> (streams, the next layer's pre_mix). Static
+        shapes and no host reads: CUDA-graph safe."""
+        return mhc_lagged_site(x, pre, lambda u: self.ffn(self.ffn_norm(u)), self.mhc("ffn"), self.hc)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -668,6 +674,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
         self.draft_method = "dspark" if len(self.mtp) else None
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+
+    def enable_cuda_graphs(self, max_tokens: int = 64) -> SublayerGraphs:
+        """Replay the FFN sites of steps of at most ``max_tokens`` tokens from CUDA graphs (``cuda_graphs``);
+        results stay bitwise those of eager execution."""
+        graphs = SublayerGraphs(max_tokens)
+        for m in self.modules():
+            if isinstance(m, Block):
+                m.graphs = graphs
+        return graphs
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
         """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens."""

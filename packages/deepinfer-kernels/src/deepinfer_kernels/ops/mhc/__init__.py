@@ -207,13 +207,21 @@ def mhc_lagged_layer(
     Returns:
         (x_out [T, n, d] in x.dtype, pre_mix_out [T, n] fp32).
     """
-    p_a, q_a, c_a = mhc_coefficients(x, attn_params, cfg)
-    y = f_attn(mhc_collapse(x, pre_mix))
-    x1 = mhc_expand(x, y, q_a, c_a)
-    p_f, q_f, c_f = mhc_coefficients(x1, ffn_params, cfg)
-    y2 = f_ffn(mhc_collapse(x1, p_a))
-    x2 = mhc_expand(x1, y2, q_f, c_f)
-    return x2, p_f
+    x1, p_a = mhc_lagged_site(x, pre_mix, f_attn, attn_params, cfg)
+    return mhc_lagged_site(x1, p_a, f_ffn, ffn_params, cfg)
+
+
+def mhc_lagged_site(
+    x: torch.Tensor,
+    pre_mix: torch.Tensor,
+    f: Callable[[torch.Tensor], torch.Tensor],
+    params: MhcParams,
+    cfg: MhcConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One site of ``mhc_lagged_layer``: (p, q, C) = coefficients(x; params); y = f(collapse(x, pre_mix));
+    returns (expand(x, y, q, C), p): the streams and the pre the NEXT site collapses with."""
+    p, q, c = mhc_coefficients(x, params, cfg)
+    return mhc_expand(x, f(mhc_collapse(x, pre_mix)), q, c), p
 
 
 try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)
@@ -230,5 +238,6 @@ __all__ = [
     "mhc_head_weights",
     "mhc_initial_pre_mix",
     "mhc_lagged_layer",
+    "mhc_lagged_site",
     "mhc_same_site_sublayer",
 ]

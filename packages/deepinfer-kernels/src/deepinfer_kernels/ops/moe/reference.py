@@ -68,12 +68,15 @@ def moe_route_hash_ref(
     norm_eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, scoring)
-    if input_ids.numel():
+    # the range checks read the device: skipped while a CUDA graph is captured (token ids are checked at
+    # admission by the engine, the table in every eager call)
+    check = not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
+    if check and input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= tid2eid.shape[0]:
             raise ValueError(f"moe_route_hash: token ids span [{lo}, {hi}], table has {tid2eid.shape[0]} rows")
     experts = tid2eid[input_ids.long()].long()
-    if experts.numel():
+    if check and experts.numel():
         lo, hi = int(experts.min()), int(experts.max())
         if lo < 0 or hi >= logits.shape[-1]:
             raise ValueError(f"moe_route_hash: tid2eid gives experts in [{lo}, {hi}], have {logits.shape[-1]}")

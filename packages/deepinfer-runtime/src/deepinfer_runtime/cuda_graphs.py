@@ -1,0 +1,70 @@
+"""CUDA graphs of the static sublayers of a decode step ("piecewise" graphs).
+
+A decode step is host-bound: every op is a Python call and a kernel launch. The FFN sublayer of a block (mHC
+coefficients and collapse, norm, router, routed and shared experts, mHC expand) has no data-dependent shapes and
+no host reads, so for a given token count T it can be captured once and replayed with one launch. The attention
+sublayer is not captured: its per-request window, compressor and indexer state changes shape every step.
+
+``SublayerGraphs.run(key, fn, *inputs)`` captures ``fn`` for the inputs' shapes on first use (after one warm-up
+call on a side stream) and replays it afterwards: the inputs are copied into the graph's static input buffers and
+the graph's static output is returned. That output is overwritten by the next replay of the same graph, so a
+caller must consume it (any stream-ordered use will do) before running the same ``key`` at the same T again.
+A replay runs the captured kernels on the same shapes, so its results are bitwise those of the eager call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+
+
+class SublayerGraphs:
+    """Graphs per (sublayer key, input shapes), for steps of at most ``max_tokens`` tokens (larger steps, prefill
+    chunks, run eagerly: they are launch-bound no more, and each new T would cost a capture)."""
+
+    def __init__(self, max_tokens: int = 64):
+        if max_tokens < 1:
+            raise ValueError(f"SublayerGraphs: max_tokens must be positive, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.pool = None  # one memory pool for every graph, made at the first capture
+        self.graphs: dict[tuple, _Graph] = {}
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.shape[0] <= self.max_tokens and not torch.cuda.is_current_stream_capturing()
+
+    def run(self, key: object, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(*inputs)`` through the graph for these shapes (captured on first use)."""
+        shapes = tuple((t.shape, t.dtype) for t in inputs)
+        entry = self.graphs.get((key, shapes))
+        if entry is None:
+            entry = self.graphs[(key, shapes)] = self._capture(fn, inputs)
+        for dst, src in zip(entry.inputs, inputs):
+            dst.copy_(src)
+        entry.graph.replay()
+        return entry.output
+
+    def _capture(self, fn, inputs) -> _Graph:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        static = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy initialisation and compilation stay out of the graph
+            fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*static)
+        return _Graph(graph, static, out)
+
+    def __len__(self) -> int:
+        return len(self.graphs)

@@ -1,0 +1,57 @@
+"""CUDA graphs of the FFN sublayers (``LLM(enforce_eager=False)``): on CUDA the engine's tokens and logprobs are
+bitwise those of eager execution (V4, V4.1, V4-Flash-0731 with DSpark drafting, whose draft blocks replay graphs
+too); on the CPU the option is accepted and runs eagerly."""
+
+import pytest
+import torch
+from deepinfer_runtime import LLM, SamplingParams
+from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+
+
+def _generate(path, device, eager, **kw):
+    llm = LLM(
+        model=path, device=device, max_num_seqs=4, max_num_batched_tokens=64, log_stats=False,
+        kv_cache_memory=1 << 30, enforce_eager=eager, **kw,
+    )  # fmt: skip
+    return llm, llm.generate(_prompts(), PARAMS, use_tqdm=False)
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].cumulative_logprob == y.outputs[0].cumulative_logprob
+
+
+def test_cpu_runs_eagerly(tiny_v4_dirs):
+    llm, outs = _generate(tiny_v4_dirs["mixed"], "cpu", eager=False, dtype="float32")
+    assert llm.model.layers[0].graphs is None and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "arch, config, kw",
+    [
+        ("v4", {}, {}),
+        ("v4.1", {}, {"yoco_mode": "off"}),
+        (
+            "v4",
+            {"dspark_target_layer_ids": [2, 3, 4], "dspark_markov_rank": 16},
+            {"speculative_config": {"method": "dspark"}},
+        ),
+    ],
+)
+def test_graphs_give_the_eager_results(tmp_path, arch, config, kw):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = write_tiny_checkpoint(tmp_path / "ckpt", arch, "fp8+fp4", seed=4, config=config)
+    _, eager = _generate(path, "cuda", True, dtype="bfloat16", **kw)
+    llm, graphed = _generate(path, "cuda", False, dtype="bfloat16", **kw)
+    assert len(llm.model.layers[0].graphs) > 0  # graphs were captured and replayed
+    _same(eager, graphed)
