@@ -36,6 +36,12 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="no CUDA graphs (--no-enforce-eager: replay the FFN sublayers of short steps from CUDA graphs)",
+    )
+    ap.add_argument(
         "--speculative-config",
         type=_json_dict,
         default=None,
@@ -86,6 +92,7 @@ def _llm(args: argparse.Namespace):
         yoco_keep_tokens=args.yoco_keep_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager,
         block_size=args.block_size,
         speculative_config=args.speculative_config,
         data_parallel_size=args.data_parallel_size,
