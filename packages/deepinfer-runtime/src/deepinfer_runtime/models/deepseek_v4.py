@@ -528,7 +528,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _write_dspark_context(self, taps, positions: list[torch.Tensor], caches: list[SequenceCache]) -> None:
         """Each stage's context keys of the step's rows (they follow each request's ``ctx_end``)."""
         feat, start = self.dspark_feature(taps), 0
-        for pos, c in zip(positions, caches):  # each request's rows follow its ctx_end (no device read)
+        for pos, c in zip(positions, caches):
             rows = feat[start : start + pos.numel()]
             start += pos.numel()
             if not pos.numel():
