@@ -81,7 +81,8 @@ class LLM:
         enforce_eager: True: no CUDA graphs. False (on CUDA): the FFN sublayers of steps of at most
             ``cuda_graph_max_tokens`` tokens replay CUDA graphs (``cuda_graphs``; bitwise the eager results).
         speculative_config: speculative decoding, vLLM's dict shape: ``{"method": "dspark",
-            "num_speculative_tokens": 5}`` (V4.1's DSpark head), ``{"method": "mtp", "num_speculative_tokens": 1}``
+            "num_speculative_tokens": 5}`` (V4.1's DSpark head, or V4-Flash-0731's DSpark stages, loaded only then),
+            ``{"method": "mtp", "num_speculative_tokens": 1}``
             (V4-Flash's MTP layer, loaded only then), ``{"method": "ngram", ...}`` (prompt lookup,
             any model); keys ``verification`` ("rejection" | "block"), ``varlen``, ``verify_budget``,
             ``confidence_temperature`` (see ``deepinfer_spec.SpeculativeConfig``). None: DeepInfer's
