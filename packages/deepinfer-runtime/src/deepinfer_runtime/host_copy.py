@@ -12,10 +12,16 @@ from collections.abc import Sequence
 import torch
 
 
-def long_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """int64 [len(values)] on ``device``; on CUDA one pinned non-blocking copy (no wait for the device)."""
-    t = torch.tensor(values, dtype=torch.long)
+def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``; on CUDA one pinned non-blocking copy (no wait for the
+    device)."""
+    t = torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def long_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """int64 [len(values)] on ``device`` (``host_tensor``)."""
+    return host_tensor(values, torch.long, device)

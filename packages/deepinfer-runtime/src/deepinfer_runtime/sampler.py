@@ -31,6 +31,7 @@ from deepinfer_kernels.ops.sampling import (
     topk_logprobs,
 )
 
+from deepinfer_runtime.host_copy import host_tensor, long_tensor
 from deepinfer_runtime.sampling_params import SamplingParams
 
 _U64 = 1 << 64
@@ -148,7 +149,7 @@ def prompt_logprob_entries(logits: torch.Tensor, targets: Sequence[int], k: int)
     """Prompt logprobs (vLLM's default raw mode: log-softmax of the model's logits, no sampling
     processing): for each row of ``logits`` [n, V] fp32, the logprob and rank of ``targets[i]`` and the
     top ``k`` alternatives, in the same shape as the sampled tokens' logprobs."""
-    out = SamplerOutput(token_ids=torch.tensor(list(targets), dtype=torch.long, device=logits.device))
+    out = SamplerOutput(token_ids=host_tensor(list(targets), torch.long, logits.device))
     _fill_logprobs(out, log_softmax_rows(logits), [k] * len(targets))
     return [out.logprobs_for(i) for i in range(len(targets))]
 
@@ -171,8 +172,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
         processed = self.process(logits, requests)
         device = logits.device
-        seeds = torch.tensor([seed_to_int64(r.effective_seed()) for r in requests], dtype=torch.int64, device=device)
-        positions = torch.tensor([r.effective_position() for r in requests], dtype=torch.int64, device=device)
+        seeds = host_tensor([seed_to_int64(r.effective_seed()) for r in requests], torch.int64, device)
+        positions = host_tensor([r.effective_position() for r in requests], torch.int64, device)
         tokens = draw_tokens(processed, seeds, positions)
         out = SamplerOutput(token_ids=tokens)
 
@@ -194,11 +195,11 @@ class Sampler:
         self._mask_min_tokens(x, requests)
         x = self._apply_penalties(x, requests)
 
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
+        temperature = host_tensor([p.temperature for p in params], torch.float32, device)
+        top_k = host_tensor([max(p.top_k, 0) for p in params], torch.int64, device)
+        top_p = host_tensor([p.top_p for p in params], torch.float64, device)
+        min_p = host_tensor([p.min_p for p in params], torch.float32, device)
+        greedy = host_tensor([p.greedy for p in params], torch.bool, device)
         return process_logits(x, temperature, top_k, top_p, min_p, greedy)
 
     @staticmethod
@@ -216,8 +217,8 @@ class Sampler:
                 vals += list(p.logit_bias.values())
         if rows:
             self._check_ids("logit_bias", cols, x.shape[1])
-            idx = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
-            x.index_put_(idx, torch.tensor(vals, dtype=torch.float32, device=x.device), accumulate=True)
+            idx = (long_tensor(rows, x.device), long_tensor(cols, x.device))
+            x.index_put_(idx, host_tensor(vals, torch.float32, x.device), accumulate=True)
 
     def _mask_min_tokens(self, x: torch.Tensor, requests: Sequence[SamplingRequest]) -> None:
         rows, cols = [], []
@@ -229,7 +230,7 @@ class Sampler:
                 cols += sorted(banned)
         if rows:
             self._check_ids("stop / EOS", cols, x.shape[1])
-            x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+            x[long_tensor(rows, x.device), long_tensor(cols, x.device)] = float("-inf")
 
     def _apply_penalties(self, x: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
         params = [r.params for r in requests]
@@ -243,13 +244,13 @@ class Sampler:
             if r.params.repetition_penalty != 1:
                 self._check_ids("prompt", list(r.prompt_token_ids), v)
                 prompt_flat += [i * v + t for t in r.prompt_token_ids]
-        out_idx = torch.tensor(out_flat, dtype=torch.int64, device=x.device)
+        out_idx = host_tensor(out_flat, torch.int64, x.device)
         counts = torch.bincount(out_idx, minlength=b * v).reshape(b, v)
         prompt_mask = torch.zeros(b * v, dtype=torch.bool, device=x.device)
-        prompt_mask[torch.tensor(prompt_flat, dtype=torch.int64, device=x.device)] = True
+        prompt_mask[host_tensor(prompt_flat, torch.int64, x.device)] = True
 
         def col(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=x.device)
+            return host_tensor([getattr(p, name) for p in params], torch.float32, x.device)
 
         return apply_penalties(
             x,

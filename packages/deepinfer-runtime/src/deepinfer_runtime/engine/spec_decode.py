@@ -36,6 +36,7 @@ from deepinfer_spec import (
 )
 from deepinfer_spec.varlen import VerifyCostModel
 
+from deepinfer_runtime.host_copy import host_tensor
 from deepinfer_runtime.sampler import Logprob, Sampler, SamplerOutput, SamplingRequest, _fill_logprobs
 
 
@@ -105,11 +106,11 @@ class SpecDecoder:
         tokens = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         draft_lp = torch.zeros(b, n, logits.shape[1], device=dev)
         for i, ((req, _, _), k) in enumerate(zip(items, drafts_k)):
-            tokens[i, :k] = torch.tensor(req.spec_token_ids, dtype=torch.int64, device=dev)
+            tokens[i, :k] = host_tensor(req.spec_token_ids, torch.int64, dev)
             draft_lp[i, :k] = req.spec_logprobs.to(dev)
-        num_verified = torch.tensor(drafts_k, dtype=torch.int64, device=dev)
-        seeds = torch.tensor([seed_to_int64(req.seed) for req, _, _ in items], dtype=torch.int64, device=dev)
-        anchors = torch.tensor([a for _, a, _ in items], dtype=torch.int64, device=dev)
+        num_verified = host_tensor(drafts_k, torch.int64, dev)
+        seeds = host_tensor([seed_to_int64(req.seed) for req, _, _ in items], torch.int64, dev)
+        anchors = host_tensor([a for _, a, _ in items], torch.int64, dev)
         res = verify(self.config.verification, target, Drafts(tokens, draft_lp), num_verified, seeds, anchors)
         emitted, lps, acc = res.tokens.tolist(), res.logprobs.tolist(), res.num_accepted.tolist()
         out, offset = {}, 0
@@ -118,7 +119,7 @@ class SpecDecoder:
             toks = emitted[i][:m]
             entries = None
             if req.params.logprobs is not None:
-                so = SamplerOutput(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev))
+                so = SamplerOutput(token_ids=host_tensor(toks, torch.int64, dev))
                 _fill_logprobs(so, target[offset : offset + m], [req.params.logprobs] * m)
                 entries = [so.logprobs_for(j) for j in range(m)]
             out[req.request_id] = SpecOutcome(toks, lps[i][:m], entries, acc[i], k, req.spec_placeholder)
@@ -173,7 +174,7 @@ class SpecDecoder:
             return rooms
         dev = drafts.tokens.device
         n = drafts.num_tokens
-        has = torch.tensor(rooms, dtype=torch.int64, device=dev).clamp(max=n)
+        has = host_tensor(rooms, torch.int64, dev).clamp(max=n)
         valid = (drafts.tokens >= 0).to(torch.int64).cumprod(1).sum(1)
         has = torch.minimum(has, valid)
         current = survivals(drafts.confidences, has)
@@ -188,9 +189,9 @@ class SpecDecoder:
     def _batch(self, reqs: list) -> ProposeBatch:
         dev = self.device
         params = [r.params for r in reqs]
-        anchors = torch.tensor([r.output_token_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
-        positions = torch.tensor([r.num_known_tokens - 1 for r in reqs], dtype=torch.int64, device=dev)
-        seeds = torch.tensor([seed_to_int64(r.seed) for r in reqs], dtype=torch.int64, device=dev)
+        anchors = host_tensor([r.output_token_ids[-1] for r in reqs], torch.int64, dev)
+        positions = host_tensor([r.num_known_tokens - 1 for r in reqs], torch.int64, dev)
+        seeds = host_tensor([seed_to_int64(r.seed) for r in reqs], torch.int64, dev)
         if self.config.verification == "block":  # fresh draft streams per block (see block_verify)
             seeds = block_step_seeds(seeds, positions)
         kind = self.proposer.context_kind
@@ -204,11 +205,11 @@ class SpecDecoder:
             anchors=anchors,
             anchor_positions=positions,
             seeds=seeds,
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev),
+            temperature=host_tensor([p.temperature for p in params], torch.float32, dev),
+            top_k=host_tensor([max(p.top_k, 0) for p in params], torch.int64, dev),
+            top_p=host_tensor([p.top_p for p in params], torch.float64, dev),
+            min_p=host_tensor([p.min_p for p in params], torch.float32, dev),
+            greedy=host_tensor([p.greedy for p in params], torch.bool, dev),
             stopped=torch.zeros(len(reqs), dtype=torch.bool, device=dev),
             context=context,
         )
