@@ -68,3 +68,13 @@ class SublayerGraphs:
 
     def __len__(self) -> int:
         return len(self.graphs)
+
+
+def attach_sublayer_graphs(model: torch.nn.Module, block_type: type, max_tokens: int) -> SublayerGraphs:
+    """One ``SublayerGraphs`` set as ``graphs`` on every ``block_type`` module of ``model`` (their FFN sites then
+    replay graphs for steps of at most ``max_tokens`` tokens)."""
+    graphs = SublayerGraphs(max_tokens)
+    for m in model.modules():
+        if isinstance(m, block_type):
+            m.graphs = graphs
+    return graphs

@@ -56,7 +56,7 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.cuda_graphs import SublayerGraphs
+from deepinfer_runtime.cuda_graphs import SublayerGraphs, attach_sublayer_graphs
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
@@ -678,11 +678,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def enable_cuda_graphs(self, max_tokens: int = 64) -> SublayerGraphs:
         """Replay the FFN sites of steps of at most ``max_tokens`` tokens from CUDA graphs (``cuda_graphs``);
         results stay bitwise those of eager execution."""
-        graphs = SublayerGraphs(max_tokens)
-        for m in self.modules():
-            if isinstance(m, Block):
-                m.graphs = graphs
-        return graphs
+        return attach_sublayer_graphs(self, Block, max_tokens)
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
         """The fixed-size buffers of one request (``slot_pool``), rings sized for a rollback of B tokens."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.ops.grouped_tiles import check_row_vector
+from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -75,9 +75,7 @@ def grouped_gemm(
     """
     op = "grouped_gemm"
     _check(op, x, w, fuse_swiglu, out_dtype)
-    if expert_offsets.dim() != 1 or expert_offsets.shape[0] != w.shape[0] + 1 or expert_offsets.is_floating_point():
-        raise ValueError(f"{op}: expert_offsets must be integer [{w.shape[0] + 1}], got {tuple(expert_offsets.shape)}")
-    check_row_vector(op, row_scale, "row_scale", x.shape[0], integer=False)
+    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, x.shape[0])
     return dispatch(
         op, x.device, x, w, expert_offsets,
         fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
@@ -115,12 +113,7 @@ def grouped_gemm_gather(
     """
     op = "grouped_gemm_gather"
     _check(op, x, w, fuse_swiglu, out_dtype)
-    p = row_expert.shape[0] if row_expert.dim() == 1 else -1
-    check_row_vector(op, row_expert, "row_expert", p, integer=True)
-    check_row_vector(op, row_index, "row_index", p, integer=True)
-    if row_index is None and p != x.shape[0]:
-        raise ValueError(f"{op}: without row_index, row_expert must have one entry per row of x ({x.shape[0]})")
-    check_row_vector(op, row_scale, "row_scale", p, integer=False)
+    check_gather_rows(op, row_expert, row_index, row_scale, x.shape[0])
     return dispatch(
         op, x.device, x, w, row_expert,
         row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.ops.grouped_tiles import check_row_vector
+from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -79,9 +79,7 @@ def mxfp4_grouped_gemm(
     """
     op = "mxfp4_grouped_gemm"
     _check_weights(op, x, w, w_scale, fuse_swiglu)
-    if expert_offsets.dim() != 1 or expert_offsets.shape[0] != w.shape[0] + 1 or expert_offsets.is_floating_point():
-        raise ValueError(f"{op}: expert_offsets must be integer [{w.shape[0] + 1}], got {tuple(expert_offsets.shape)}")
-    check_row_vector(op, row_scale, "row_scale", x.shape[0], integer=False)
+    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, x.shape[0])
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     return dispatch(
@@ -121,12 +119,7 @@ def mxfp4_grouped_gemm_gather(
     """
     op = "mxfp4_grouped_gemm_gather"
     _check_weights(op, x, w, w_scale, fuse_swiglu)
-    p = row_expert.shape[0] if row_expert.dim() == 1 else -1
-    check_row_vector(op, row_expert, "row_expert", p, integer=True)
-    check_row_vector(op, row_index, "row_index", p, integer=True)
-    if row_index is None and p != x.shape[0]:
-        raise ValueError(f"{op}: without row_index, row_expert must have one entry per row of x ({x.shape[0]})")
-    check_row_vector(op, row_scale, "row_scale", p, integer=False)
+    check_gather_rows(op, row_expert, row_index, row_scale, x.shape[0])
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     return dispatch(
