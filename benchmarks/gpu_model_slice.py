@@ -10,8 +10,9 @@
 Per model: prefill at 8K tokens against the tensor-core floor (FLOPs / bf16 matmul rate measured in this run);
 decode at batch 1, 8, 64, 256 with a 4K and a 32K context, each step's time beside its memory floor (bytes of
 weights the step touches + KV it reads, over the copy bandwidth measured in this run) and the ratio. Context
-setup: one request is prefilled to the context length (timed: prefill at batch 1), then its cache is cloned to
-every request of the batch (``clone_state``): prefilling 256 x 32K tokens would take far longer than the run.
+setup: one request is prefilled to the context length (timed: prefill at batch 1), then its cache is copied to
+every request of the batch (``replicate_cache``: the engine's layout, paged growing rows and one slot pool, so a
+decode step runs batched, ``decode_batch``): prefilling 256 x 32K tokens would take far longer than the run.
 Prefill at batch > 1 runs where the estimate from the batch-1 rate fits ``--prefill-budget-s``; every
 configuration that does not run says why. Issue 7: with batch invariance on, one request's logits alone vs
 inside a batch of requests of other lengths (V4.1 slice, real shapes), compared bitwise.
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
+PAGE_TOKENS = 128  # KV block size of the decode benchmark's paged rows (a multiple of every compression ratio)
 
 
 def log(*a) -> None:
@@ -274,6 +276,8 @@ class ExpertCounter:
         self.handles = []
         # a graph replay runs no hooks (and a capture may not read the device): count on eager steps
         self.graphs = [(block, block.graphs) for block in model.layers]
+        self.model, self.step_graphs = model, getattr(model, "step_graphs", None)
+        model.step_graphs = None
         for i, block in enumerate(model.layers):
             block.graphs = None
             self.handles.append(block.ffn.gate.register_forward_hook(self._hook(i)))
@@ -289,6 +293,7 @@ class ExpertCounter:
             h.remove()
         for block, graphs in self.graphs:
             block.graphs = graphs
+        self.model.step_graphs = self.step_graphs
         return [len(self.hit.get(i, ())) for i in sorted(self.hit)]
 
 
@@ -337,7 +342,8 @@ class Deadline:
 
 
 def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
-    from deepinfer_runtime.testing.model_slice import clone_state
+    from deepinfer_runtime.kv_pool import KVPools
+    from deepinfer_runtime.testing.model_slice import replicate_cache
 
     dev = args.device
     gen = torch.Generator().manual_seed(1)
@@ -383,7 +389,11 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
             rec["notes"].append(msg)
             log(label, msg)
             continue
-        base = model.new_cache()
+        # the engine's layout: paged growing rows (one block table), fixed-size state in one slot pool per batch
+        blocks = -(-ctx // PAGE_TOKENS)
+        pools = KVPools(blocks + 2 * max(args.batches), PAGE_TOKENS, dev)
+        table = list(range(blocks))
+        base = model.new_cache(new_rows=pools.factory(table))
         ids = rand_ids(ctx, dev, gen)
         try:
             t = timed(lambda base=base, ids=ids: prefill(model, arch, [base], [ids], args.chunk, dev), dev, 1)[0]
@@ -425,12 +435,13 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
                 log(label, msg)
                 continue
             try:
-                caches = [clone_state(base) for _ in range(b)]
+                caches = replicate_cache(base, b, pools, table, iter(range(blocks, pools.num_blocks)))
                 counter = ExpertCounter(model)
                 decode_step(model, caches, rand_ids(b, dev, gen))  # warm-up for this batch size
                 hit = counter.close()
                 if getattr(model.layers[0], "graphs", None) is not None:  # capture outside the timed steps
-                    decode_step(model, caches, rand_ids(b, dev, gen))
+                    for _ in range(2):  # whole-step graphs: the first step of a shape runs eagerly
+                        decode_step(model, caches, rand_ids(b, dev, gen))
                 steps = timed(lambda c=caches, b=b: decode_step(model, c, rand_ids(b, dev, gen)), dev, args.steps)
             except torch.cuda.OutOfMemoryError as exc:
                 msg = f"decode batch {b} x {ctx}: out of memory ({str(exc)[:100]})"
@@ -467,7 +478,7 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
             del caches
             if torch.device(dev).type == "cuda":
                 torch.cuda.empty_cache()
-        del base
+        del base, pools
         if torch.device(dev).type == "cuda":
             torch.cuda.empty_cache()
 
@@ -688,7 +699,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-invariance", action="store_true")
-    p.add_argument("--cuda-graphs", action="store_true", help="FFN sublayers of short steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (V4: whole steps; V4.1: FFN sublayers)")
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_model_slice.json"
     )
@@ -740,7 +751,7 @@ def main(argv: list[str] | None = None) -> dict:
                     cfg, dev, dtype, experts=args.v41_experts, quant=args.quant, yoco_mode="compact"
                 )
             if args.cuda_graphs:
-                model.enable_cuda_graphs()
+                model.enable_cuda_graphs(max(args.batches))
             acct = Accounting(model, arch)
             held = {id(q): q for q in [*model.parameters(), *model.buffers()]}
             nbytes = sum(t.numel() * t.element_size() for t in held.values())

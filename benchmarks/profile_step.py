@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_model_slice import decode_step, prefill, rand_ids, sync, tiny_dims  # noqa: E402
+from gpu_model_slice import PAGE_TOKENS, decode_step, prefill, rand_ids, sync, tiny_dims  # noqa: E402
 
 
 def _build(arch: str, dev: str, tiny: bool):
@@ -126,9 +126,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096, help="decode: context; prefill: prompt tokens")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (enable_cuda_graphs)")
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     args = ap.parse_args()
-    from deepinfer_runtime.testing.model_slice import clone_state
+    from deepinfer_runtime.kv_pool import KVPools
+    from deepinfer_runtime.testing.model_slice import replicate_cache
 
     dev, gen, results = args.device, torch.Generator().manual_seed(0), {}
     for arch in args.models.split(","):
@@ -143,17 +145,23 @@ def main() -> None:
             results[f"{arch} prefill {args.context}"] = rec
             _print(f"{arch} prefill of {args.context} tokens (one request)", rec, args.steps, args.top)
         else:
-            base = model.new_cache()
+            batches = [int(x) for x in args.batches.split(",")]
+            if args.cuda_graphs:
+                model.enable_cuda_graphs(max(batches))
+            blocks = -(-args.context // PAGE_TOKENS)
+            pools = KVPools(blocks + 2 * max(batches), PAGE_TOKENS, dev)
+            table = list(range(blocks))
+            base = model.new_cache(new_rows=pools.factory(table))  # the engine's layout (gpu_model_slice)
             prefill(model, arch, [base], [rand_ids(args.context, dev, gen)], 8192, dev)
-            for b in (int(x) for x in args.batches.split(",")):
-                caches = [clone_state(base) for _ in range(b)]
+            for b in batches:
+                caches = replicate_cache(base, b, pools, table, iter(range(blocks, pools.num_blocks)))
                 rec = _profile(
                     lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)), dev, args.steps, args.top
                 )
                 results[f"{arch} b{b}"] = rec
                 _print(f"{arch} decode batch {b}, context {args.context}", rec, args.steps, args.top)
                 caches = None
-            base = None
+            base = pools = None
         model = None
         if torch.device(dev).type == "cuda":
             torch.cuda.empty_cache()

@@ -78,3 +78,47 @@ def attach_sublayer_graphs(model: torch.nn.Module, block_type: type, max_tokens:
         if isinstance(m, block_type):
             m.graphs = graphs
     return graphs
+
+
+class StepGraphs:
+    """CUDA graphs of whole decode steps (``decode_batch``): one per plan shape (batch bucket, table width), for
+    batches of at most ``max_rows`` rows.
+
+    A step writes the caches as it runs, and reads rows that its own write may overwrite (a ring's oldest), so it
+    must run exactly once per plan: the usual warm-up-then-capture would run it twice. The first step of a shape
+    runs eagerly (that compiles kernels and initialises libraries), a later one is captured without running and
+    then replayed; replays copy the inputs into the graph's static ones first. The output is overwritten by the
+    next replay of the same graph, so a caller consumes it before the next step.
+    """
+
+    def __init__(self, max_rows: int = 64):
+        if max_rows < 1:
+            raise ValueError(f"StepGraphs: max_rows must be positive, got {max_rows}")
+        self.max_rows = max_rows
+        self.pool = None
+        self.graphs: dict[object, _Graph] = {}
+        self._seen: set = set()
+
+    def applies(self, rows: int, device: torch.device) -> bool:
+        return device.type == "cuda" and rows <= self.max_rows and not torch.cuda.is_current_stream_capturing()
+
+    def run(self, key: object, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return fn(*inputs)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            static = tuple(t.clone() for t in inputs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*static)
+            entry = self.graphs[key] = _Graph(graph, static, out)
+        for dst, src in zip(entry.inputs, inputs):
+            dst.copy_(src)
+        entry.graph.replay()
+        return entry.output
+
+    def __len__(self) -> int:
+        return len(self.graphs)

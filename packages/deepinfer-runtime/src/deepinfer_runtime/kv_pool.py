@@ -72,13 +72,17 @@ class TensorRows:
 
 
 class KVPool:
-    """One growing kind's storage for every request: [num_blocks, block_size // ratio, width]."""
+    """One growing kind's storage for every request: ``data`` [num_blocks, block_size // ratio, width], a view of
+    ``flat`` [num_blocks * rows_per_block + 1, width] whose last row is scratch (``scratch_row``: where a batched
+    decode step stores the entries of requests that complete none)."""
 
     def __init__(self, num_blocks: int, block_size: int, ratio: int, width: int, dtype: torch.dtype, device):
         if block_size % ratio:
             raise ValueError(f"block_size {block_size} is not a multiple of compression ratio {ratio}")
         self.block_size, self.ratio, self.rows_per_block = block_size, ratio, block_size // ratio
-        self.data = torch.empty(num_blocks, self.rows_per_block, width, dtype=dtype, device=device)
+        self.scratch_row = num_blocks * self.rows_per_block
+        self.flat = torch.empty(self.scratch_row + 1, width, dtype=dtype, device=device)
+        self.data = self.flat[:-1].view(num_blocks, self.rows_per_block, width)
 
 
 class KVPools:

@@ -59,14 +59,19 @@ class Ring:
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store rows [k, width] of positions start .. start + k - 1 (only the last R survive). A start past
         ``end`` drops the older rows: they are no longer contiguous with the new ones (compact YOCO)."""
+        k = rows.shape[0]
+        keep = min(k, self.capacity)
+        self.advance(start, k)
+        if keep:
+            self.buf.index_copy_(0, self._rows(start + k - keep, start + k), rows[k - keep :].to(self.buf.dtype))
+
+    def advance(self, start: int, k: int) -> None:
+        """The bounds after writing ``k`` rows at ``start`` (``write`` without the rows: a caller that stores
+        them itself, batched over requests)."""
         if start < self.end:
             raise RuntimeError(f"ring write at position {start} behind its end {self.end} (roll back first)")
         if start > self.end:
             self.lo = start
-        k = rows.shape[0]
-        keep = min(k, self.capacity)
-        if keep:
-            self.buf.index_copy_(0, self._rows(start + k - keep, start + k), rows[k - keep :].to(self.buf.dtype))
         self.end = start + k
         self.lo = max(self.lo, self.end - self.capacity)
 
@@ -89,7 +94,8 @@ class Ring:
 class SlotPool:
     """Every fixed buffer of ``specs`` for ``num_requests + num_snapshots`` slots: ``buffers[key]`` is
     [num_slots, rows, width] of the spec's dtype on ``device``. Slots 0 .. num_requests - 1 are request slots,
-    the rest snapshot slots."""
+    then the snapshot slots, and one last slot, ``scratch``, never handed out: the rows a batched decode step
+    pads its batch with write there (``decode_batch``)."""
 
     def __init__(self, specs: list[SlotSpec], num_requests: int, num_snapshots: int, device: torch.device | str):
         keys = [s.key for s in specs]
@@ -97,7 +103,8 @@ class SlotPool:
             raise ValueError(f"slot specs with the same key: {keys}")
         self.specs, self.num_requests, self.num_snapshots = list(specs), num_requests, num_snapshots
         n = num_requests + num_snapshots
-        self.buffers = {s.key: torch.zeros(n, s.rows, s.width, dtype=s.dtype, device=device) for s in specs}
+        self.scratch = n
+        self.buffers = {s.key: torch.zeros(n + 1, s.rows, s.width, dtype=s.dtype, device=device) for s in specs}
         self._free = {
             "request": list(range(num_requests - 1, -1, -1)),
             "snapshot": list(range(n - 1, num_requests - 1, -1)),

@@ -41,13 +41,15 @@ from deepinfer_kernels import (
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.cuda_graphs import SublayerGraphs, attach_sublayer_graphs
+from deepinfer_runtime.cuda_graphs import StepGraphs, SublayerGraphs, attach_sublayer_graphs
+from deepinfer_runtime.decode_batch import DecodeBatch, batch_bucket, paged_stores
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.models.deepseek_v4_cache import (
     CompressorState,
     LayerCache,
     RowFactory,
     SequenceCache,
+    v4_compressors,
     v4_slot_specs,
 )
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -107,6 +109,29 @@ class Compressor(nn.Module):
         entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
+    @property
+    def decode_back(self) -> int:
+        """Rows a decode step reads before the new one: the group's others (and, with overlap, the previous window)."""
+        return 2 * self.ratio - 1 if self.overlap else self.ratio - 1
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
+        (name, layer) of its rings and store. Every row pools the group ending at it; the plan keeps the entries of
+        the requests that complete one. Returns every request's entries [rows, N, head_dim] (``batch.entries``)."""
+        r, c, pos = self.ratio, self.head_dim, batch["pos"]
+        kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
+        score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
+        held_kv, held = batch.behind((*key, "kv"), self.decode_back, kv)
+        held_score, _ = batch.behind((*key, "score"), self.decode_back, score)
+        kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
+        if self.overlap:  # slots [0, r): the previous window's A-halves (empty before the first entry)
+            present = held[:, :r, None]
+            kv = torch.cat([torch.where(present, kv[:, :r, :c], 0), kv[:, r:, c:]], dim=1)
+            score = torch.cat([torch.where(present, score[:, :r, :c], float("-inf")), score[:, r:, c:]], dim=1)
+        pooled = self.norm(kv_compress_pool(kv, score).to(x.dtype))
+        batch.append(key, rope_interleaved(pooled, pos + 1 - r, inv_freq))
+        return batch.entries(key)
+
 
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: picks up to ``index_topk`` compressed entries per query."""
@@ -135,13 +160,23 @@ class Indexer(nn.Module):
         visible = ((positions + 1) // self.ratio)[None]
         return indexer_topk(scores, visible, self.topk)[0]
 
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq) -> torch.Tensor:
+        """``forward`` for a planned decode step: x [rows, d], qr [rows, q_lora_rank] -> entry ids [rows, k]."""
+        pos = batch["pos"]
+        keys = self.compressor.decode(x, batch, ("idx", layer), inv_freq)
+        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, inv_freq)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = indexer_scores(q[:, None], keys, weights[:, None], self.head_dim**-0.5)
+        visible = ((pos + 1) // self.ratio)[:, None]  # a request's rows past its own entries are never visible
+        return indexer_topk(scores, visible, self.topk)[:, 0]
+
 
 class Attention(nn.Module):
     """Shared-KV MQA over a sliding window plus compressed entries, with sinks (section A.4)."""
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer = cfg, layer
         self.kind = kind or cfg.layer_types[layer]
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
@@ -212,6 +247,26 @@ class Attention(nn.Module):
             kv_all = torch.cat([rows, entries.to(rows.dtype)])
         return sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
 
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """``forward`` for a planned decode step (``decode_batch``): x [rows, d] (normed), one row per request ->
+        [rows, d]. The keys of every request go into one flat kv, [rows x W window rows | rows x N entries], each
+        query's ids pointing into its own request's part: one attention call."""
+        pos, win = batch["pos"], self.cfg.sliding_window
+        qr, q = self.query(x, pos)
+        kv_all, idx = batch.window(("window", self.layer), win, self.window_kv(x, pos))
+        if self.kind != SLIDING:
+            entries = self.compressor.decode(x, batch, ("comp", self.layer), self.inv_freq)
+            n = entries.shape[1]
+            if self.kind == CSA:
+                picked = self.indexer.decode(x, qr, batch, self.layer, self.inv_freq)
+            else:  # HCA: every complete window is visible
+                ids = torch.arange(n, device=x.device)[None]
+                picked = torch.where(ids < ((pos + 1) // self.compressor.ratio)[:, None], ids, -1)
+            idx = torch.cat([idx, torch.where(picked >= 0, picked + kv_all.shape[0] + batch.own_rows(n), -1)], 1)
+            kv_all = torch.cat([kv_all, entries.flatten(0, 1).to(kv_all.dtype)])
+        o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
+        return self.output(o, pos)
+
 
 class Gate(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, layer: int, dtype: torch.dtype):
@@ -266,6 +321,10 @@ class Block(MhcBlock):
     def forward(self, x, input_ids, positions, caches, starts=None):
         """x [T, n, d] streams -> [T, n, d] (V4 wiring: each site collapses with its own pre)."""
         return self.run_block(x, input_ids, lambda u: self.attn(u, positions, caches, starts))
+
+    def decode(self, x: torch.Tensor, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """``forward`` for a planned decode step (``decode_batch``): streams x [rows, n, d] -> [rows, n, d]."""
+        return self.run_block(x, input_ids, lambda u: self.attn.decode(u, batch))
 
     def run_block(self, x, input_ids, attn_fn):
         """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
@@ -396,6 +455,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
         self.mtp, self.draft_method = None, None
+        self.step_graphs: StepGraphs | None = None  # set by enable_cuda_graphs
         if mtp and dspark:
             raise ValueError("build either the MTP layers (mtp) or the DSpark stages (dspark): both live in mtp.*")
         if mtp:
@@ -415,8 +475,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.draft_method = "dspark"
 
     def enable_cuda_graphs(self, max_tokens: int = 64) -> SublayerGraphs:
-        """Replay the FFN sublayers of steps of at most ``max_tokens`` tokens from CUDA graphs (``cuda_graphs``);
-        results stay bitwise those of eager execution."""
+        """Replay decode steps of at most ``max_tokens`` requests planned as one batch (``plan_decode``) from CUDA
+        graphs of the whole step, and the FFN sublayers of other steps of at most ``max_tokens`` tokens
+        (``cuda_graphs``); results stay bitwise those of eager execution."""
+        self.step_graphs = StepGraphs(max_tokens)
         return attach_sublayer_graphs(self, Block, max_tokens)
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
@@ -488,9 +550,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         if len(caches) != len(chunks):
             raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
         dev = self.embed.weight.device
+        ids = torch.cat(chunks).to(dev)
+        batch = self.plan_decode(chunks, caches)
+        if batch is not None:
+            logits = self._decode_step(batch, ids)
+            for c in caches:
+                c.seq_len += 1
+            wanted = logit_rows or [None] * len(caches)  # a one-token chunk's rows: [0] or none
+            return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
         starts = [c.seq_len for c in caches]
         positions = [torch.arange(s, s + ch.shape[0], device=dev) for s, ch in zip(starts, chunks)]
-        ids = torch.cat(chunks).to(dev)
         x = self.embed.weight[ids]
         x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         taps = {} if self.draft_method == "dspark" else None
@@ -515,6 +584,58 @@ class DeepseekV4ForCausalLM(nn.Module):
             start += n
         hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         return list(head_logits(x[long_tensor(picked, dev)], hc, self.norm, self.head, self.cfg).split(sizes))
+
+    def plan_decode(self, chunks: list[torch.Tensor], caches: list[SequenceCache]) -> DecodeBatch | None:
+        """The plan of a decode step run as one batch (``decode_batch``), or None where the general path runs: a
+        step with a chunk of other than one token, requests outside one slot pool or one engine's paged pools, or a
+        model with a draft head (whose drafting reads the backbone's streams per request)."""
+        if self.draft_method is not None or any(ch.shape[0] != 1 for ch in chunks) or not caches:
+            return None
+        pool = caches[0].slots.pool
+        if any(c.slots.pool is not pool for c in caches):
+            return None
+        plans = v4_compressors(self.cfg)
+        states = {
+            key: [getattr(c.layers[key[1]], "compressor" if key[0] == "comp" else "indexer") for c in caches]
+            for key in plans
+        }
+        kv_pools = paged_stores([s.store() for group in states.values() for s in group])
+        if plans and kv_pools is None:
+            return None
+        dev = self.embed.weight.device
+        graphs = self.step_graphs
+        rows = (
+            batch_bucket(len(caches)) if graphs is not None and graphs.applies(batch_bucket(len(caches)), dev) else None
+        )
+        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, rows)
+        for i in range(self.cfg.num_hidden_layers):
+            batch.plan_ring({("window", i): [c.layers[i].window for c in caches]}, self.cfg.sliding_window - 1)
+        for key, plan in plans.items():
+            group = states[key]
+            back = plan.ratio - 1 + (plan.ratio if plan.prev_width else 0)
+            batch.plan_ring({(*key, "kv"): [s.kv for s in group], (*key, "score"): [s.score for s in group]}, back)
+            batch.plan_append(key, [s.store() for s in group], plan.ratio, plan.width - plan.prev_width, self.dtype)
+        if plans:
+            tables = [states[next(iter(plans))][j].store().table for j in range(len(caches))]
+            batch.plan_tables(tables, kv_pools.block_size, bucket=rows is not None)
+        return batch.seal(dev)
+
+    def _decode_step(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
+        """A planned decode step: ids [size] -> fp32 logits [rows, V]; through a CUDA graph where captured."""
+        if batch.pad:
+            ids = torch.cat([ids, ids.new_zeros(batch.pad)])
+        graphs = self.step_graphs
+        if graphs is None or not graphs.applies(batch.rows, ids.device):
+            return self._decode_rows(batch, ids)
+        return graphs.run(batch.shape_key, lambda data, i: self._decode_rows(batch.rebind(data), i), batch.data, ids)
+
+    def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
+        """The device work of a planned decode step (static shapes, no host reads): ids [rows] -> logits [rows, V]."""
+        x = self.embed.weight[ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            x = layer.decode(x, ids, batch)
+        hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
+        return head_logits(x, hc, self.norm, self.head, self.cfg)
 
     def dspark_feature(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target feature main_x [T, d] = main_norm(main_proj(concat of the tap layers' stream means))."""

@@ -57,6 +57,7 @@ from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.cuda_graphs import SublayerGraphs, attach_sublayer_graphs
+from deepinfer_runtime.decode_batch import DecodeBatch, paged_stores
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
@@ -490,6 +491,59 @@ class Attention(nn.Module):
         picked = shared[("topk", self.index_source)]
         return self.attend(q, rows, entries, self.window_ids(pos, first, floor), picked, pos)
 
+    # --- planned decode step (decode_batch) --------------------------------------------------------------
+    def forward_decode(self, x: torch.Tensor, batch: DecodeBatch, shared: dict) -> torch.Tensor:
+        """``forward_chunk`` for every request of a planned decode step at once (one row each, no YOCO floor):
+        x [rows, d] -> [rows, d]. ``shared`` carries top-k / candidates [rows, .] between layers of the step."""
+        pos = batch["pos"]
+        if self.kv_source == self.layer:
+            self.feed_compressor_decode(x, batch)
+        qr, q = self.query(x, pos)
+        kv_rows, win_ids = batch.window(("window", self.layer), self.window, self.window_kv(x, pos))
+        if self.ratio == 0:
+            return self.attend(q, kv_rows, None, win_ids, None, pos)
+        entries = batch.entries(("kv", self.kv_source))  # [rows, N, D]: rows past a request's length not visible
+        if self.index_source == self.layer:
+            scores = self.index_scores_batched(x, qr, pos, batch.entries(("idx", self.kv_source)))  # [rows, 1, N]
+            visible = ((pos + 1) // self.ratio)[:, None]
+            cand = shared.get("candidates") if self.uses_candidates else None
+            if self.is_candidate_source:
+                cfg = self.cfg
+                shared["candidates"] = candidate_block_mask(
+                    scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
+                )
+            picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
+            shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
+        picked = shared[("topk", self.index_source)]
+        picked = torch.where(picked >= 0, picked + batch.own_rows(entries.shape[1]), -1)
+        return self.attend(q, kv_rows, entries.flatten(0, 1), win_ids, picked, pos)
+
+    def index_scores_batched(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
+        """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
+        against each request's keys [rows, N, Dh] -> [rows, 1, N] fp32."""
+        ix = self.indexer
+        qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, self.inv_freq)
+        if self.fake_quant:
+            qi = fake_quant_e2m1(qi, 32, "ue8m0")
+        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        return indexer_scores(qi[:, None], keys, weights[:, None], ix.head_dim**-0.5)
+
+    def feed_compressor_decode(self, x: torch.Tensor, batch: DecodeBatch) -> None:
+        """``feed_compressor`` of one row per request: every row publishes the group ending at it; the plan keeps
+        the entries of the requests that complete one."""
+        kv, score = self.compressor.project(x)
+        r, pos = self.ratio, batch["pos"]
+        if r == 1:
+            latent, group_pos = kv, pos
+        else:
+            held_kv, _ = batch.behind(("kv", self.layer), r - 1, kv)
+            held_score, _ = batch.behind(("score", self.layer), r - 1, score)
+            kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
+            latent, group_pos = self.compressor.pool(kv, score, x.dtype), pos + 1 - r
+        entry, key = self.publish(latent, group_pos)
+        batch.append(("kv", self.layer), entry)
+        batch.append(("idx", self.layer), key)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # MoE and block
@@ -799,10 +853,11 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(
                 f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
             )
+        batch = self.plan_decode(chunks, caches, [st.yoco_floor for st in steps])
         engram = [self.engram_ids(chunk.to(dev), st.cache.engram_history) for chunk, st in zip(chunks, steps)]
         x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
-        shared = [dict() for _ in steps]
+        shared = [dict() for _ in steps] + [dict()]  # per request; the last one for batched decode layers
         taps: dict[int, torch.Tensor] = {}
         where = list(range(x.shape[0]))  # each flat row's index among the rows still computed (-1: dropped)
         comp_inputs, comp_rows = None, None
@@ -821,7 +876,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 taps[layer] = x.float().mean(dim=1).to(x.dtype)
             boundary = comp_inputs is not None and layer == cfg.n_prefill_layer
             comp = (comp_inputs, comp_rows) if boundary else None
-            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
+            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp, batch))
         # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
         picked, sizes = [], []  # row ids built on the host: no device reads
         for i, st in enumerate(all_steps):
@@ -851,10 +906,43 @@ class DeepseekV41ForCausalLM(nn.Module):
             c.seq_len += chunk.shape[0]
         return outs
 
-    def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp):
-        """The attention sublayer over a token-flat step: each request's rows against its own cache.
-        ``comp`` = (inputs, rows) of the boundary compressor in compact YOCO mode, else None."""
+    def plan_decode(
+        self, chunks: list[torch.Tensor], caches: list[V41SequenceCache], floors: list[int | None]
+    ) -> DecodeBatch | None:
+        """The plan of a decode step whose attention runs as one batch (``decode_batch``), or None where the
+        general path runs: a chunk of other than one token, a YOCO floor, requests outside one slot pool or one
+        engine's paged pools."""
+        if not caches or any(ch.shape[0] != 1 for ch in chunks) or any(f is not None for f in floors):
+            return None
+        pool, cfg = caches[0].slots.pool, self.cfg
+        if any(c.slots.pool is not pool for c in caches):
+            return None
+        ratios = {src: cfg.compress_ratio(src) for src in cfg.kv_source_layer_ids}
+        sources = {src: [c.source(src, r) for c in caches] for src, r in ratios.items()}
+        kv_pools = paged_stores([s for group in sources.values() for src in group for s in (src.entries, src.keys)])
+        if ratios and kv_pools is None:
+            return None
+        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool)
+        for i in range(cfg.num_hidden_layers):
+            batch.plan_ring({("window", i): [c.windows[i] for c in caches]}, cfg.sliding_window - 1)
+        for src, r in ratios.items():
+            group = sources[src]
+            if r > 1:
+                batch.plan_ring({("kv", src): [s.kv for s in group], ("score", src): [s.score for s in group]}, r - 1)
+            batch.plan_append(("kv", src), [s.entries for s in group], r, cfg.head_dim, self.dtype)
+            batch.plan_append(("idx", src), [s.keys for s in group], r, cfg.index_head_dim, self.dtype)
+        if ratios:
+            first = next(iter(sources.values()))
+            batch.plan_tables([s.entries.table for s in first], kv_pools.block_size, bucket=False)
+        return batch.seal(self.embed.weight.device)
+
+    def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp, batch):
+        """The attention sublayer over a token-flat step: each request's rows against its own cache, or, in a
+        planned decode step (``batch``), all at once (``Attention.forward_decode``; ``shared[-1]`` is then the
+        step's). ``comp`` = (inputs, rows) of the boundary compressor in compact YOCO mode, else None."""
         decoder = block.layer >= self.cfg.n_prefill_layer
+        if batch is not None:
+            return lambda u: block.attn.forward_decode(u, batch, shared[-1])
 
         def attn_fn(u: torch.Tensor) -> torch.Tensor:
             outs = []

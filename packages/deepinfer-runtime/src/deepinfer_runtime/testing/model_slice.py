@@ -11,7 +11,8 @@ caches replicated by value, and transformers' V4 model built over the same weigh
 * ``build_random_model(cfg)``: the model with random weights (same conventions as ``tiny_checkpoint``). The
   routed experts are made separately (``experts="distinct"`` per layer, or ``"shared"``: one stacked tensor
   pair used by every layer, so that a bf16 slice with V4.1's 384 x 2304 experts fits one GPU).
-* ``clone_state(cache)``: a deep copy of a request cache with every tensor compacted (``.clone()``).
+* ``clone_state(cache)``: a deep copy of a request cache with every tensor compacted (``.clone()``);
+  ``replicate_cache(cache, n, ...)``: n copies laid out like the engine's requests (one slot pool, paged rows).
 * ``hf_v4_sharing_weights(model, raw)``: transformers' ``DeepseekV4ForCausalLM`` whose parameters are our
   model's tensors (shared storage where the dtypes agree).
 """
@@ -363,6 +364,31 @@ def clone_state(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
         out = obj
     memo[id(obj)] = out
     return out
+
+
+def replicate_cache(base: Any, n: int, pools: Any, table: list[int], free_blocks: Any, spare_blocks: int = 1) -> list:
+    """``n`` copies of request cache ``base`` that decode together as one batch, laid out as the engine's requests
+    are: their fixed-size state in the request slots of one new ``SlotPool``, their paged rows (``base`` made with
+    ``pools.factory(table)``) sharing base's blocks except the last, which each copy gets a copy of, plus
+    ``spare_blocks`` more from ``free_blocks`` (an iterator of unused block ids) to grow into."""
+    from deepinfer_runtime.slot_pool import SlotPool
+
+    slots = SlotPool(base.slots.pool.specs, n, 0, next(iter(base.slots.pool.buffers.values())).device)
+    copies = []
+    for _ in range(n):
+        own = table[:-1] + [next(free_blocks) for _ in range(1 + spare_blocks)]
+        for pool in pools.pools.values():
+            pool.data[own[len(table) - 1]] = pool.data[table[-1]]
+        memo = {id(pools): pools, id(table): own, **{id(p): p for p in pools.pools.values()}}
+        copy_ = clone_state(base, memo)
+        state = slots.claim()
+        for key, ring in copy_.slots.rings.items():  # the copy's rings (the objects its cache holds) move in
+            state.rings[key].buf.copy_(ring.buf)
+            ring.buf = state.rings[key].buf
+        state.rings = copy_.slots.rings
+        copy_.slots = state
+        copies.append(copy_)
+    return copies
 
 
 # ----------------------------------------------------------------------------------------------------------

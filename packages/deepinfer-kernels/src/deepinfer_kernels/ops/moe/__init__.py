@@ -284,6 +284,8 @@ def swiglu_mlp(
     return dispatch("swiglu_mlp", x.device, x, w1, w3, w2, swiglu_limit=swiglu_limit)
 
 
+from . import swiglu_linear as _swiglu_linear  # noqa: F401, E402  (registers the shared expert's GPU backend)
+
 try:  # the GPU backend of the dense path registers itself when Triton imports
     from . import triton as _triton  # noqa: F401
 except ImportError:

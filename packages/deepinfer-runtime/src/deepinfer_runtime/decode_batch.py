@@ -1,0 +1,173 @@
+"""A decode step of many requests as one batch, planned on the host and run with static shapes on the device.
+
+The models' general path runs attention request by request (chunks of any length, each against its own cache),
+which costs each request a few dozen small kernels per layer. In a decode step every request adds exactly one
+row, and when the requests live in the engine's pools (one ``SlotPool`` for the fixed-size rings, paged rows in
+one ``KVPools`` for the growing kinds) the per-request work is only addressing: request b's ring rows are at
+``buffers[key][slot_b, p % R]``, its entries in the blocks of its table.
+
+A ``DecodeBatch`` splits the step in two:
+
+* the plan (host, ``plan_*``): for each ring and row store the model names, it reads each request's bounds and
+  lengths, advances them as the step will, and records what the device needs (positions, slots, how far back
+  each ring holds, the row each newly completed entry goes to, block tables) in one int64 list, sent to the
+  device in one copy (``seal``);
+* the device work (``behind``, ``window``, ``append``, ``entries``): gathers and scatters whose shapes depend
+  only on the batch rows and the table width, and which read only that tensor, so a whole step can be captured
+  in a CUDA graph once and replayed with the data of a later plan of the same ``shape_key`` (``rebind``).
+
+Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row; every
+request's entries are read up to the table width (``rows_per_block`` x blocks), the rows past its own length
+masked by visibility in the attention and the indexer.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from deepinfer_runtime.host_copy import long_tensor
+from deepinfer_runtime.kv_pool import KVPool, KVPools, PagedRows, RowStore
+from deepinfer_runtime.slot_pool import Ring, SlotPool
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+TABLE_BUCKET = 8  # with graphs the table width rounds up to a multiple of this many blocks (fewer captures)
+
+
+def batch_bucket(n: int) -> int:
+    """The graph batch size serving ``n`` requests (``n`` itself past the largest bucket)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), n)
+
+
+def paged_stores(stores: list[RowStore]) -> KVPools | None:
+    """The ``KVPools`` every store pages into, or None when they are not all pages of one engine's pools."""
+    pools = getattr(stores[0], "pools", None) if stores else None
+    ok = pools is not None and all(isinstance(s, PagedRows) and s.pools is pools for s in stores)
+    return pools if ok else None
+
+
+class DecodeBatch:
+    """One decode step of ``size`` requests (device rows padded to ``rows``) over the slots of ``pool``."""
+
+    def __init__(self, starts: list[int], slots: list[int], pool: SlotPool, rows: int | None = None):
+        self.starts, self.size = list(starts), len(starts)
+        self.rows = rows or self.size
+        self.pad = self.rows - self.size
+        self.buffers = pool.buffers
+        self.kv: dict[object, KVPool] = {}  # store key -> its pool
+        self.layout: dict[object, tuple[int, tuple[int, ...]]] = {}
+        self._values: list[int] = []
+        self.put("pos", self.starts + [0] * self.pad)
+        self.put("slots", list(slots) + [pool.scratch] * self.pad)
+        self.data: torch.Tensor | None = None
+
+    # --- host: the plan ----------------------------------------------------------------------------------
+    def put(self, names: object | list, values: list[int], width: int = 0) -> None:
+        """Record ``values`` ([rows] ints, or [rows x width] row-major) as field ``names`` (a list: one field
+        read under several names)."""
+        shape = (self.rows, width) if width else (self.rows,)
+        for name in names if isinstance(names, list) else [names]:
+            self.layout[name] = (len(self._values), shape)
+        self._values += values
+
+    def plan_ring(self, rings: dict[object, list[Ring]], back: int) -> None:
+        """The step writes one row per request at its position p into the rings (per slot-pool buffer key, one
+        ring per request; every key's rings with the same bounds) and reads the ``back`` rows before it: record
+        from which position each request's rings hold them, then advance the bounds. A ring holds [lo, end); one
+        whose end is not p restarts at p (``Ring.write``), so it holds nothing before."""
+        first = next(iter(rings.values()))
+        firsts = [max(r.lo, p - back) if r.end == p else p for r, p in zip(first, self.starts)]
+        for group in rings.values():
+            for r, p in zip(group, self.starts):
+                r.advance(p, 1)
+        self.put([("first", key) for key in rings], firsts + [0] * self.pad)
+
+    def plan_append(self, key: object, stores: list[PagedRows], ratio: int, width: int, dtype: torch.dtype) -> None:
+        """A compressor of ``ratio`` completes an entry for the requests at positions p with (p + 1) % ratio == 0:
+        record the pool row each such entry goes to (the scratch row for the others) and count it."""
+        pool = self.kv[key] = stores[0].pools.get(key, ratio, width, dtype)
+        rpb, targets = pool.rows_per_block, []
+        for s, p in zip(stores, self.starts):
+            if (p + 1) % ratio:
+                targets.append(pool.scratch_row)
+                continue
+            n = len(s)
+            if n // rpb >= len(s.table):
+                raise RuntimeError(
+                    f"cache {key}: row {n} needs block {n // rpb} but the table holds {len(s.table)} blocks "
+                    "(the scheduler must grow the table before the step)"
+                )
+            s.pool = pool
+            s.resume(n + 1)
+            targets.append(s.table[n // rpb] * rpb + n % rpb)
+        self.put(("emit", key), targets + [pool.scratch_row] * self.pad)
+
+    def plan_tables(self, tables: list[list[int]], block_size: int, bucket: bool) -> None:
+        """Each request's block table, as far as its entries after this step reach (the widest of the batch;
+        with ``bucket`` rounded up to ``TABLE_BUCKET`` blocks so that graphs serve many steps)."""
+        width = max(-(-(p + 1) // block_size) for p in self.starts)
+        if bucket:
+            width = -(-width // TABLE_BUCKET) * TABLE_BUCKET
+        # blocks past a request's table read block 0: rows it does not own, never visible to it
+        rows = [(t[:width] + [0] * width)[:width] for t in tables] + [[0] * width] * self.pad
+        self.put("tables", [b for t in rows for b in t], width)
+
+    def seal(self, device: torch.device) -> DecodeBatch:
+        """Send the plan to the device (one pinned copy)."""
+        self.data = long_tensor(self._values, device)
+        return self
+
+    @property
+    def shape_key(self) -> tuple:
+        """What a captured step depends on: plans with equal keys can replay each other's graphs."""
+        return self.rows, len(self._values), tuple(sorted((repr(k), v) for k, v in self.layout.items()))
+
+    def rebind(self, data: torch.Tensor) -> DecodeBatch:
+        """This plan reading ``data`` (a graph's static copy of another plan's ``data`` of the same shape)."""
+        out = copy.copy(self)
+        out.data = data
+        return out
+
+    # --- device: static-shape gathers and scatters ---------------------------------------------------------
+    def __getitem__(self, name: object) -> torch.Tensor:
+        off, shape = self.layout[name]
+        return self.data[off : off + math.prod(shape)].view(shape)
+
+    def behind(self, key: object, back: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key`` and return what it held
+        before: the rows of positions p - back .. p - 1 [rows, back, C] (read before the write, which may
+        overwrite the oldest) and ``held`` [rows, back] bool (else the row is unspecified)."""
+        buf, pos, slots = self.buffers[key], self["pos"], self["slots"]
+        cap = buf.shape[1]
+        key_pos = pos[:, None] - back + torch.arange(back, device=pos.device)
+        held = key_pos >= self[("first", key)][:, None]
+        prior = buf[slots[:, None], key_pos.clamp(min=0) % cap]
+        buf[slots, pos % cap] = rows.to(buf.dtype)
+        return prior, held
+
+    def window(self, key: object, window: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key``; return each
+        request's last ``window`` positions flat, [rows x W, D] (request b's rows b*W .. b*W + W - 1 hold
+        positions p - W + 1 .. p), and the ids [rows, W] its query attends to (-1: a position not held)."""
+        held_rows, held = self.behind(key, window - 1, kv)
+        rows = torch.cat([held_rows, kv[:, None].to(held_rows.dtype)], dim=1)
+        ids = self.own_rows(window) + torch.arange(window, device=kv.device)
+        return rows.flatten(0, 1), torch.where(torch.cat([held, held.new_ones(self.rows, 1)], dim=1), ids, -1)
+
+    def append(self, key: object, rows: torch.Tensor) -> None:
+        """Store each request's newly completed entry rows [rows, C] of store ``key`` where the plan put it."""
+        pool = self.kv[key]
+        pool.flat[self[("emit", key)]] = rows.to(pool.flat.dtype)
+
+    def entries(self, key: object) -> torch.Tensor:
+        """Every request's rows of store ``key`` through its table: [rows, N, C], N = table width x rows per
+        block; entry n of request b at [b, n] for n below its length, the rest unspecified."""
+        pool = self.kv[key]
+        tables = self["tables"]
+        return pool.data[tables].view(self.rows, -1, pool.data.shape[-1])
+
+    def own_rows(self, n: int) -> torch.Tensor:
+        """[rows, 1]: the first row of each request's block in a flat tensor of ``rows`` blocks of ``n`` rows."""
+        return torch.arange(self.rows, device=self.data.device)[:, None] * n

@@ -1,0 +1,167 @@
+"""Planned decode steps (``decode_batch``): a decode step of requests in the engine's layout (one slot pool, paged
+rows in one ``KVPools``) runs attention for all of them at once. Its logits are bitwise those of the per-request
+path (requests in private pools, or with standalone rows), on the CPU in float32 and on CUDA in batch-invariant
+mode, for V4 and V4.1, with requests of different lengths crossing CSA / HCA / ratio-2 group boundaries and at
+group starts (first entries). On CUDA, V4 steps replayed from whole-step CUDA graphs (padded batch buckets) give
+the same bits."""
+
+import pytest
+import torch
+from deepinfer_kernels.registry import set_batch_invariant
+from deepinfer_runtime import load_model
+from deepinfer_runtime.decode_batch import DecodeBatch, batch_bucket
+from deepinfer_runtime.kv_pool import KVPools, PagedRows
+from deepinfer_runtime.models import deepseek_v4, deepseek_v41
+from deepinfer_runtime.slot_pool import Ring, SlotPool, SlotSpec
+from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
+
+V4_CONFIG = {"compress_ratios": [4, 128, 0, 4], "num_hidden_layers": 4, "num_hash_layers": 1, "sliding_window": 8}
+LENGTHS = [3, 17, 126, 9, 1, 40]  # the 126-token prompt completes an HCA group (128) during decode
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_batch")
+    return {
+        "v4": write_tiny_checkpoint(root / "v4", "v4", "none", seed=1, config=V4_CONFIG),
+        "v4.1": write_tiny_checkpoint(root / "v41", "v4.1", "fp8+fp4", seed=0),
+    }
+
+
+def _decode(model, device, shared: bool, paged: bool, spy):
+    """Prefill prompts of LENGTHS (one step, per-request path), then STEPS greedy decode steps; all logits."""
+    n, blocks = len(LENGTHS), 16
+    pool = SlotPool(model.slot_specs(), n, 0, device) if shared else None
+    kv_pools = KVPools(n * blocks, 16, device)
+    caches = [
+        model.new_cache(
+            new_rows=kv_pools.factory(list(range(i * blocks, (i + 1) * blocks))) if paged else None,
+            slots=pool.claim() if shared else None,
+        )
+        for i in range(n)
+    ]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1000, (k,), generator=g).to(device) for k in LENGTHS]
+    out = [torch.cat(model.forward_step(prompts, caches))]
+    calls = spy.count
+    tokens = [p[-1:] for p in prompts]
+    for _ in range(STEPS):
+        logits = model.forward_step(tokens, caches)
+        out.append(torch.cat(logits))
+        tokens = [row[-1:].argmax(-1) for row in logits]
+    return out, spy.count - calls
+
+
+class _Spy:
+    """Counts the calls of a batched-decode method (so the test knows which path ran)."""
+
+    def __init__(self, monkeypatch, owner, name):
+        self.count, fn = 0, getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+SPIES = {"v4": (deepseek_v4.Attention, "decode"), "v4.1": (deepseek_v41.Attention, "forward_decode")}
+OPTIONS = {"v4": {}, "v4.1": {"yoco_mode": "off"}}
+
+
+def _check(arch, dirs, device, dtype, monkeypatch, graphs=False):
+    model = load_model(dirs[arch], dtype=dtype, device=device, progress=False, **OPTIONS[arch])
+    spy = _Spy(monkeypatch, *SPIES[arch])
+    ref, calls = _decode(model, device, shared=False, paged=False, spy=spy)
+    assert calls == 0  # requests in private pools: the per-request path
+    _, calls = _decode(model, device, shared=True, paged=False, spy=spy)
+    assert calls == 0  # standalone rows: the per-request path
+    if graphs:
+        model.enable_cuda_graphs(max_tokens=8)
+    got, calls = _decode(model, device, shared=True, paged=True, spy=spy)
+    assert calls == STEPS * len(model.layers)  # one batched call per layer and step (or per capture)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), f"step {step} differs by {(a - b).abs().max().item()}"
+    return model
+
+
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_batched_decode_equals_per_request_cpu(arch, dirs, monkeypatch):
+    _check(arch, dirs, "cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_batched_decode_equals_per_request_cuda(arch, dirs, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    set_batch_invariant(True)
+    try:
+        _check(arch, dirs, "cuda", torch.bfloat16, monkeypatch)
+    finally:
+        set_batch_invariant(None)
+
+
+@pytest.mark.gpu
+def test_step_graphs_give_the_eager_results(dirs, monkeypatch):
+    """V4 decode steps of 6 requests (batch bucket 8: two padding rows) replayed from whole-step CUDA graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    set_batch_invariant(True)
+    try:
+        model = load_model(dirs["v4"], dtype=torch.bfloat16, device="cuda", progress=False)
+        eager, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4"]))
+        model.enable_cuda_graphs(max_tokens=8)
+        graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4"]))
+    finally:
+        set_batch_invariant(None)
+    assert len(model.step_graphs) >= 1 and batch_bucket(len(LENGTHS)) == 8
+    for step, (a, b) in enumerate(zip(eager, graphed)):
+        assert torch.equal(a, b), f"step {step} differs by {(a - b).abs().max().item()}"
+
+
+def test_plan_then_device_work():
+    """The plan records from which position each ring holds the rows behind the new one (a ring restarted by a
+    later write holds nothing before it) and advances the bounds like ``write``; ``behind`` reads those rows
+    before its write overwrites the oldest; padding rows write only the scratch slot; ``plan_append`` sends the
+    entries of requests completing a group to their table's rows, the others to the scratch row; ``entries``
+    reads each request's rows through its table; a table too short is named."""
+    pool = SlotPool([SlotSpec("r", "x", 4, 2, torch.float32)], 3, 0, "cpu")
+    slots = [pool.claim() for _ in range(3)]
+    rings = [s["r"] for s in slots]
+    rings[0].write(0, torch.arange(12.0).view(6, 2))  # holds positions 2..5
+    rings[1].write(0, torch.ones(2, 2))
+    rings[1].advance(7, 0)  # restarted at 7: nothing before 7 is held
+    kv_pools = KVPools(8, 4, "cpu")
+    stores = [PagedRows(kv_pools, "k", 2, table) for table in ([3, 0], [5], [1, 6])]  # 2 rows per block
+    for s, n in zip(stores, (3, 0, 1)):
+        s.pool = kv_pools.get("k", 2, 3, torch.float32)
+        s.resume(n)
+    kv_pools.pools["k"].data.copy_(torch.arange(48.0).view(8, 2, 3))
+    batch = DecodeBatch([6, 7, 0], [s.slot for s in slots], pool, rows=4)
+    batch.plan_ring({"r": rings}, 3)
+    batch.plan_append("k", stores, 2, 3, torch.float32)
+    batch.plan_tables([s.table for s in stores], 4, bucket=False)
+    batch.seal(torch.device("cpu"))
+    assert [(r.lo, r.end) for r in rings] == [(3, 7), (7, 8), (0, 1)]
+    assert [len(s) for s in stores] == [3, 1, 1]  # positions 6 and 0 complete no ratio-2 group; 7 does
+
+    new = torch.arange(-8.0, 0.0).view(4, 2)
+    prior, held = batch.behind("r", 3, new)
+    assert torch.equal(prior[0], torch.arange(6.0, 12.0).view(3, 2)) and held[0].all()
+    assert not held[1:].any()
+    assert torch.equal(rings[0].read(6, 7), new[:1]) and torch.equal(rings[2].read(0, 1), new[2:3])
+    assert torch.equal(pool.buffers["r"][pool.scratch, 0], new[3])  # the padding row
+    kv = kv_pools.pools["k"]
+    batch.append("k", torch.full((4, 3), 7.0))
+    assert (kv.data[5, 0] == 7).all() and (kv.flat[kv.scratch_row] == 7).all()
+    got = batch.entries("k")  # [rows, 2 blocks x 2, 3]
+    assert got.shape == (4, 4, 3) and torch.equal(got[0, :3], torch.cat([kv.data[3], kv.data[0, :1]]))
+    assert torch.equal(got[2, :1], kv.data[1, :1])
+    batch2 = DecodeBatch([9], [slots[0].slot], pool)
+    with pytest.raises(RuntimeError, match="needs block 2"):
+        stores[0].resume(4)
+        batch2.plan_append("k", stores[:1], 2, 3, torch.float32)
+    with pytest.raises(RuntimeError):
+        Ring(torch.zeros(2, 1)).advance(-1, 1)
