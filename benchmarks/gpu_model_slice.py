@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-invariance", action="store_true")
-    p.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (V4: whole steps; V4.1: FFN sublayers)")
+    p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps from CUDA graphs")
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_model_slice.json"
     )

@@ -1,6 +1,7 @@
-"""CUDA graphs of the FFN sublayers (``LLM(enforce_eager=False)``): on CUDA the engine's tokens and logprobs are
-bitwise those of eager execution (V4, V4.1, V4-Flash-0731 with DSpark drafting, whose draft blocks replay graphs
-too); on the CPU the option is accepted and runs eagerly."""
+"""CUDA graphs (``LLM(enforce_eager=False)``, the default on CUDA): whole decode steps and the FFN sublayers of
+other short steps. On CUDA the engine's tokens and logprobs are bitwise those of eager execution (V4, V4.1 with its
+Engram tables in host memory (FFN sublayers only) or on the device (whole steps), V4-Flash-0731 with DSpark
+drafting, whose draft blocks replay graphs too); on the CPU the option is accepted and runs eagerly."""
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def test_cpu_runs_eagerly(tiny_v4_dirs):
     [
         ("v4", {}, {}),
         ("v4.1", {}, {"yoco_mode": "off"}),
+        ("v4.1", {}, {"yoco_mode": "compact", "engram_device": "cuda"}),
         (
             "v4",
             {"dspark_target_layer_ids": [2, 3, 4], "dspark_markov_rank": 16},
@@ -54,4 +56,6 @@ def test_graphs_give_the_eager_results(tmp_path, arch, config, kw):
     _, eager = _generate(path, "cuda", True, dtype="bfloat16", **kw)
     llm, graphed = _generate(path, "cuda", False, dtype="bfloat16", **kw)
     assert len(llm.model.layers[0].graphs) > 0  # graphs were captured and replayed
+    whole_steps = arch == "v4" and "speculative_config" not in kw or kw.get("engram_device") == "cuda"
+    assert (len(llm.model.step_graphs) > 0) == whole_steps
     _same(eager, graphed)

@@ -2,13 +2,14 @@
 rows in one ``KVPools``) runs attention for all of them at once. Its logits are bitwise those of the per-request
 path (requests in private pools, or with standalone rows), on the CPU in float32 and on CUDA in batch-invariant
 mode, for V4 and V4.1, with requests of different lengths crossing CSA / HCA / ratio-2 group boundaries and at
-group starts (first entries). On CUDA, V4 steps replayed from whole-step CUDA graphs (padded batch buckets) give
-the same bits."""
+group starts (first entries); V4.1's DSpark context and Engram lookback equal too. On CUDA, steps replayed from
+whole-step CUDA graphs (padded batch buckets) give the same bits (V4 and V4.1)."""
 
 import pytest
 import torch
 from deepinfer_kernels.registry import set_batch_invariant
 from deepinfer_runtime import load_model
+from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.decode_batch import DecodeBatch, batch_bucket
 from deepinfer_runtime.kv_pool import KVPools, PagedRows
 from deepinfer_runtime.models import deepseek_v4, deepseek_v41
@@ -50,6 +51,7 @@ def _decode(model, device, shared: bool, paged: bool, spy):
         logits = model.forward_step(tokens, caches)
         out.append(torch.cat(logits))
         tokens = [row[-1:].argmax(-1) for row in logits]
+    _decode.caches = caches  # for the state checks
     return out, spy.count - calls
 
 
@@ -74,6 +76,7 @@ def _check(arch, dirs, device, dtype, monkeypatch, graphs=False):
     model = load_model(dirs[arch], dtype=dtype, device=device, progress=False, **OPTIONS[arch])
     spy = _Spy(monkeypatch, *SPIES[arch])
     ref, calls = _decode(model, device, shared=False, paged=False, spy=spy)
+    ref_caches = _decode.caches
     assert calls == 0  # requests in private pools: the per-request path
     _, calls = _decode(model, device, shared=True, paged=False, spy=spy)
     assert calls == 0  # standalone rows: the per-request path
@@ -83,6 +86,12 @@ def _check(arch, dirs, device, dtype, monkeypatch, graphs=False):
     assert calls == STEPS * len(model.layers)  # one batched call per layer and step (or per capture)
     for step, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), f"step {step} differs by {(a - b).abs().max().item()}"
+    for a, b in zip(ref_caches, _decode.caches):  # state the logits do not show yet: V4.1's DSpark context, lookback
+        assert a.seq_len == b.seq_len and getattr(a, "ctx_end", 0) == getattr(b, "ctx_end", 0)
+        for k, ring in getattr(a, "dspark_ctx", {}).items():
+            assert torch.equal(ring.view(), b.dspark_ctx[k].view())
+        if getattr(a, "engram_history", None) is not None:
+            assert torch.equal(a.engram_history, b.engram_history)
     return model
 
 
@@ -104,21 +113,39 @@ def test_batched_decode_equals_per_request_cuda(arch, dirs, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_step_graphs_give_the_eager_results(dirs, monkeypatch):
-    """V4 decode steps of 6 requests (batch bucket 8: two padding rows) replayed from whole-step CUDA graphs."""
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_step_graphs_give_the_eager_results(arch, dirs, monkeypatch):
+    """Decode steps of 6 requests (batch bucket 8: two padding rows, tables rounded up to 8 blocks) replayed from
+    whole-step CUDA graphs equal the same planned steps run eagerly, bitwise; V4.1 with its Engram tables in host
+    memory runs its planned steps eagerly."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    set_batch_invariant(True)
-    try:
-        model = load_model(dirs["v4"], dtype=torch.bfloat16, device="cuda", progress=False)
-        eager, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4"]))
-        model.enable_cuda_graphs(max_tokens=8)
-        graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4"]))
-    finally:
-        set_batch_invariant(None)
+    # V4.1's Engram tables on the device (in host memory, the default, a step reads them through the host: eager)
+    engram = {"engram_device": "cuda"} if arch == "v4.1" else {}
+    model = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch], **engram)
+    model.enable_cuda_graphs(max_tokens=8)
+    with monkeypatch.context() as m:  # the same plans (padded, bucketed), every step run eagerly
+        m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
+        eager, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES[arch]))
+    assert len(model.step_graphs) == 0
+    graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
     assert len(model.step_graphs) >= 1 and batch_bucket(len(LENGTHS)) == 8
     for step, (a, b) in enumerate(zip(eager, graphed)):
         assert torch.equal(a, b), f"step {step} differs by {(a - b).abs().max().item()}"
+    if arch == "v4.1":
+        host = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch])
+        host.enable_cuda_graphs(max_tokens=8)
+        again, _ = _decode(host, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
+        assert len(host.step_graphs) == 0
+        for a, b in zip(eager, again):  # other batch rows and table widths: equal up to bf16 rounding
+            assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+class _Bucketed:
+    """Stands in for ``StepGraphs`` on the CPU: the plan pads its rows to the batch bucket."""
+
+    def applies(self, rows, device):
+        return True
 
 
 def test_plan_then_device_work():
@@ -139,13 +166,14 @@ def test_plan_then_device_work():
         s.pool = kv_pools.get("k", 2, 3, torch.float32)
         s.resume(n)
     kv_pools.pools["k"].data.copy_(torch.arange(48.0).view(8, 2, 3))
-    batch = DecodeBatch([6, 7, 0], [s.slot for s in slots], pool, rows=4)
+    batch = DecodeBatch([6, 7, 0], [s.slot for s in slots], pool, graphs=_Bucketed())  # rows padded to 4
     batch.plan_ring({"r": rings}, 3)
     batch.plan_append("k", stores, 2, 3, torch.float32)
     batch.plan_tables([s.table for s in stores], 4, bucket=False)
     batch.seal(torch.device("cpu"))
     assert [(r.lo, r.end) for r in rings] == [(3, 7), (7, 8), (0, 1)]
     assert [len(s) for s in stores] == [3, 1, 1]  # positions 6 and 0 complete no ratio-2 group; 7 does
+    assert batch.rows == batch_bucket(3) == 4 and batch.pad == 1
 
     new = torch.arange(-8.0, 0.0).view(4, 2)
     prior, held = batch.behind("r", 3, new)

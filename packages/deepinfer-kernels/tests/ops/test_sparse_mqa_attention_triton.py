@@ -1,6 +1,7 @@
 """Triton sparse MQA attention vs the reference: the kernels under Triton's interpreter on CPU at
 small shapes, and on CUDA at V4.1-Flash shapes (64 heads, head_dim 512, 128 window + 512 selected
-entries per query, -1 padding) plus bitwise row invariance of the batch-invariant backend."""
+entries per query, -1 padding) plus bitwise row invariance of the batch-invariant backend; kv as two
+segments read in place (window rows + a paged pool) gives the bits of their concatenation."""
 
 import pytest
 import torch
@@ -51,6 +52,20 @@ def _interp_int32_indices_backends_and_row_invariance() -> None:
         assert_rel_close(fn(q, kv, idx, sinks, 0.125), out, 1e-5, name)
 
 
+def _interp_two_segments_read_in_place() -> None:
+    """kv as (first, second) segments: the same bits as one concatenated pool (the kernel reads the same rows),
+    a segment that is a strided view (a pool's flat rows), both layouts of the split."""
+    q, kv, idx, sinks = _inputs(5, 16, 64, 120, 70, torch.float32, "cpu", seed=3)
+    pool = torch.randn(50, 2, 64)[:, 0]  # rows of stride 128: a view, as a pool's entries may be
+    both = torch.cat([kv, pool])
+    idx[3, ::2] = 120 + torch.arange(35) % 50  # rows of the second segment
+    for split in (None, 32):
+        one = attn.launch(q, both, idx, sinks, 0.125, split=split, block_h=16, block_n=16, num_warps=4)
+        two = attn.launch(q, (kv, pool), idx, sinks, 0.125, split=split, block_h=16, block_n=16, num_warps=4)
+        assert_bitwise(two, one, f"two segments split={split}")
+        assert_rel_close(two, sparse_mqa_attention_ref(q, (kv, pool), idx, sinks, 0.125), 1e-5, "vs reference")
+
+
 INTERP_CASES = {
     f"{dt}-split{split}-h{h}-d{d}": ("_interp_matches_reference", (dt, split, h, d))
     for dt in ("float32", "bfloat16")
@@ -58,6 +73,7 @@ INTERP_CASES = {
     for h, d in ((4, 64), (20, 48))  # heads below / not a multiple of 16, odd D
 }
 INTERP_CASES["int32-backends-invariance"] = ("_interp_int32_indices_backends_and_row_invariance", ())
+INTERP_CASES["two-segments"] = ("_interp_two_segments_read_in_place", ())
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -101,6 +117,21 @@ def test_gpu_prefill_matches_reference(backend):
     rows = torch.randperm(t, device="cuda")[:16]  # the reference is row-invariant: a subset suffices
     ref = sparse_mqa_attention_ref(q[rows], kv, idx[rows], sinks, D**-0.5)
     assert_rel_close(out[rows].float(), ref.float(), TOL[torch.bfloat16], f"{backend} prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gpu_two_segments_equal_one_pool(backend):
+    """Window rows of 64 requests [64 x 128, D] and a paged pool [32768, D] read in place: bitwise the result over
+    their concatenation."""
+    q, pool, idx, sinks = _v41_rows(64, 32768, seed=9)
+    window = torch.randn(64 * WINDOW, D, device="cuda").to(torch.bfloat16)
+    idx[:, :WINDOW] = torch.arange(64, device="cuda")[:, None] * WINDOW + torch.arange(WINDOW, device="cuda")
+    idx[:, WINDOW:] = torch.where(idx[:, WINDOW:] >= 0, idx[:, WINDOW:] + window.shape[0], -1)
+    fn = BACKENDS[backend]
+    assert_bitwise(
+        fn(q, (window, pool), idx, sinks, D**-0.5), fn(q, torch.cat([window, pool]), idx, sinks, D**-0.5), backend
+    )
 
 
 @pytest.mark.gpu

@@ -32,14 +32,18 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--yoco-mode", choices=["off", "mask", "compact"], default=None)
     ap.add_argument("--yoco-keep-tokens", type=int, default=None)
+    ap.add_argument(
+        "--engram-device", default=None, help="V4.1: where the Engram tables live (default: host memory on a GPU)"
+    )
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="no CUDA graphs (--no-enforce-eager: replay the FFN sublayers of short steps from CUDA graphs)",
+        default=None,
+        help="no CUDA graphs (default on CUDA: decode steps, and the FFN sublayers of other short steps, replay CUDA "
+        "graphs)",
     )
     ap.add_argument(
         "--speculative-config",
@@ -90,6 +94,7 @@ def _llm(args: argparse.Namespace):
         seed=args.seed,
         yoco_mode=args.yoco_mode,
         yoco_keep_tokens=args.yoco_keep_tokens,
+        engram_device=args.engram_device,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,

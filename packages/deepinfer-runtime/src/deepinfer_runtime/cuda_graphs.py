@@ -1,9 +1,12 @@
-"""CUDA graphs of the static sublayers of a decode step ("piecewise" graphs).
+"""CUDA graphs of decode steps: whole planned steps (``StepGraphs``), and the static sublayers of other short steps
+("piecewise" graphs, ``SublayerGraphs``).
 
-A decode step is host-bound: every op is a Python call and a kernel launch. The FFN sublayer of a block (mHC
-coefficients and collapse, norm, router, routed and shared experts, mHC expand) has no data-dependent shapes and
-no host reads, so for a given token count T it can be captured once and replayed with one launch. The attention
-sublayer is not captured: its per-request window, compressor and indexer state changes shape every step.
+A decode step is host-bound: every op is a Python call and a kernel launch. A decode step planned as one batch
+(``decode_batch``) reads only its plan's index tensor and has static shapes (batch bucket, table width), so the
+whole step is captured once per shape and replayed with one launch. Other short steps (a few prefill or
+verification tokens, requests outside the engine's pools) run their attention request by request, whose shapes
+change every step; their FFN sublayer (mHC coefficients and collapse, norm, router, routed and shared experts, mHC
+expand) has no data-dependent shapes and no host reads, so for a given token count T it is captured once.
 
 ``SublayerGraphs.run(key, fn, *inputs)`` captures ``fn`` for the inputs' shapes on first use (after one warm-up
 call on a side stream) and replays it afterwards: the inputs are copied into the graph's static input buffers and
@@ -14,6 +17,7 @@ A replay runs the captured kernels on the same shapes, so its results are bitwis
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,15 +92,16 @@ class StepGraphs:
     must run exactly once per plan: the usual warm-up-then-capture would run it twice. The first step of a shape
     runs eagerly (that compiles kernels and initialises libraries), a later one is captured without running and
     then replayed; replays copy the inputs into the graph's static ones first. The output is overwritten by the
-    next replay of the same graph, so a caller consumes it before the next step.
+    next replay of the same graph, so a caller consumes it before the next step. At most ``max_graphs`` are kept
+    (the least recently replayed goes first; a shape seen again is captured again).
     """
 
-    def __init__(self, max_rows: int = 64):
-        if max_rows < 1:
-            raise ValueError(f"StepGraphs: max_rows must be positive, got {max_rows}")
-        self.max_rows = max_rows
+    def __init__(self, max_rows: int = 64, max_graphs: int = 32):
+        if max_rows < 1 or max_graphs < 1:
+            raise ValueError(f"StepGraphs: max_rows and max_graphs must be positive, got {max_rows}, {max_graphs}")
+        self.max_rows, self.max_graphs = max_rows, max_graphs
         self.pool = None
-        self.graphs: dict[object, _Graph] = {}
+        self.graphs: OrderedDict[object, _Graph] = OrderedDict()  # least recently replayed first
         self._seen: set = set()
 
     def applies(self, rows: int, device: torch.device) -> bool:
@@ -115,6 +120,9 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = fn(*static)
             entry = self.graphs[key] = _Graph(graph, static, out)
+            while len(self.graphs) > self.max_graphs:  # each holds its inputs and output in the pool
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
         for dst, src in zip(entry.inputs, inputs):
             dst.copy_(src)
         entry.graph.replay()

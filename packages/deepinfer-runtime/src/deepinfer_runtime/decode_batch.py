@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import KVPool, KVPools, PagedRows, RowStore
 from deepinfer_runtime.slot_pool import Ring, SlotPool
@@ -49,11 +50,15 @@ def paged_stores(stores: list[RowStore]) -> KVPools | None:
 
 
 class DecodeBatch:
-    """One decode step of ``size`` requests (device rows padded to ``rows``) over the slots of ``pool``."""
+    """One decode step of ``size`` requests over the slots of ``pool``; with ``graphs`` (that apply to the step)
+    its device rows are padded to the batch bucket (``rows``) and ``run`` replays it from them."""
 
-    def __init__(self, starts: list[int], slots: list[int], pool: SlotPool, rows: int | None = None):
+    def __init__(self, starts: list[int], slots: list[int], pool: SlotPool, graphs: StepGraphs | None = None):
         self.starts, self.size = list(starts), len(starts)
-        self.rows = rows or self.size
+        device = next(iter(pool.buffers.values())).device
+        bucket = batch_bucket(self.size)
+        self.graphs = graphs if graphs is not None and graphs.applies(bucket, device) else None
+        self.rows = bucket if self.graphs is not None else self.size
         self.pad = self.rows - self.size
         self.buffers = pool.buffers
         self.kv: dict[object, KVPool] = {}  # store key -> its pool
@@ -124,6 +129,15 @@ class DecodeBatch:
         """What a captured step depends on: plans with equal keys can replay each other's graphs."""
         return self.rows, len(self._values), tuple(sorted((repr(k), v) for k, v in self.layout.items()))
 
+    def run(self, ids: torch.Tensor, fn) -> torch.Tensor:
+        """The step's device work ``fn(batch, ids [rows]) -> logits [rows, V]`` for the step's token ids [size]
+        (padded here to the batch rows), through the step's graphs where it has them."""
+        if self.graphs is None:
+            return fn(self, ids)
+        if self.pad:
+            ids = torch.cat([ids, ids.new_zeros(self.pad)])
+        return self.graphs.run(self.shape_key, lambda data, i: fn(self.rebind(data), i), self.data, ids)
+
     def rebind(self, data: torch.Tensor) -> DecodeBatch:
         """This plan reading ``data`` (a graph's static copy of another plan's ``data`` of the same shape)."""
         out = copy.copy(self)
@@ -161,12 +175,24 @@ class DecodeBatch:
         pool = self.kv[key]
         pool.flat[self[("emit", key)]] = rows.to(pool.flat.dtype)
 
+    def entry_capacity(self, key: object) -> int:
+        """Entries of store ``key`` a request's table reaches (table width x rows per block)."""
+        return self.layout["tables"][1][1] * self.kv[key].rows_per_block
+
     def entries(self, key: object) -> torch.Tensor:
         """Every request's rows of store ``key`` through its table: [rows, N, C], N = table width x rows per
         block; entry n of request b at [b, n] for n below its length, the rest unspecified."""
         pool = self.kv[key]
         tables = self["tables"]
         return pool.data[tables].view(self.rows, -1, pool.data.shape[-1])
+
+    def pool_rows(self, key: object, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of store ``key``'s pool (``kv[key].flat``) holding each request's entries ``ids`` [rows, K]
+        (its own entry numbers through its table; -1 stays -1): what attention reads in place."""
+        rpb = self.kv[key].rows_per_block
+        safe = ids.clamp(min=0)
+        blocks = self["tables"].gather(1, safe // rpb)
+        return torch.where(ids >= 0, blocks * rpb + safe % rpb, -1)
 
     def own_rows(self, n: int) -> torch.Tensor:
         """[rows, 1]: the first row of each request's block in a flat tensor of ``rows`` blocks of ``n`` rows."""

@@ -72,14 +72,17 @@ class LLM:
         seed: derives the sampling stream of requests that set no seed of their own.
         block_size: tokens per KV block; a multiple of every compression ratio (default: the smallest
             such multiple of 16, e.g. 128 for the released V4 / V4.1 schedules).
-        yoco_mode / yoco_keep_tokens / fake_quant: V4.1 model options (see ``load_model``).
+        yoco_mode / yoco_keep_tokens / fake_quant / engram_device: V4.1 model options (see ``load_model``;
+            ``engram_device="cuda"`` keeps the Engram tables in device memory, which whole-step CUDA graphs need).
         batch_invariant: a request's logits are bitwise the same whatever else is in the batch and however
             its prompt is chunked (None: ``DEEPINFER_BATCH_INVARIANT``). Only row-invariant backends serve
             this mode; the CPU references always are, so on the CPU it costs nothing.
         async_scheduling: plan and launch step N+1 while the device still runs step N (default: on for CUDA,
             off on the CPU, where host and device are the same cores). Outputs are identical either way.
-        enforce_eager: True: no CUDA graphs. False (on CUDA): the FFN sublayers of steps of at most
-            ``cuda_graph_max_tokens`` tokens replay CUDA graphs (``cuda_graphs``; bitwise the eager results).
+        enforce_eager: True: no CUDA graphs. False (on CUDA): decode steps of at most ``cuda_graph_max_tokens``
+            requests replay CUDA graphs of the whole step, and other steps of at most that many tokens their FFN
+            sublayers (``cuda_graphs``; bitwise the eager results). None (default): False, except on the ranks
+            of a parallel run (whose MoE layers communicate), which stay eager.
         speculative_config: speculative decoding, vLLM's dict shape: ``{"method": "dspark",
             "num_speculative_tokens": 5}`` (V4.1's DSpark head, or V4-Flash-0731's DSpark stages, loaded only then),
             ``{"method": "mtp", "num_speculative_tokens": 1}``
@@ -116,10 +119,11 @@ class LLM:
         yoco_mode: str | None = None,
         yoco_keep_tokens: int | None = None,
         fake_quant: bool = True,
+        engram_device: str | None = None,
         batch_invariant: bool | None = None,
         log_stats: bool = True,
         async_scheduling: bool | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         cuda_graph_max_tokens: int = 64,
         speculative_config: dict | None = None,
         data_parallel_size: int = 1,
@@ -186,6 +190,7 @@ class LLM:
                 yoco_mode=yoco_mode,
                 yoco_keep_tokens=yoco_keep_tokens,
                 fake_quant=fake_quant,
+                engram_device=engram_device,
                 batch_invariant=batch_invariant,
                 log_stats=log_stats,
                 async_scheduling=async_scheduling,
@@ -197,7 +202,12 @@ class LLM:
         spec_config = SpeculativeConfig.from_engine_arg(speculative_config)
         arch_opts: dict[str, Any] = {}
         if _architecture(path) == "DeepseekV41ForCausalLM":
-            arch_opts = dict(yoco_mode=yoco_mode, yoco_keep_tokens=yoco_keep_tokens, fake_quant=fake_quant)
+            arch_opts = dict(
+                yoco_mode=yoco_mode,
+                yoco_keep_tokens=yoco_keep_tokens,
+                fake_quant=fake_quant,
+                engram_device=engram_device,
+            )
         if spec_config is not None and spec_config.method == "mtp":
             arch_opts["mtp"] = True  # V4's MTP layer is loaded only to draft with it
         if (
@@ -207,6 +217,8 @@ class LLM:
         ):
             arch_opts["dspark"] = True  # likewise V4-Flash-0731's DSpark stages (V4.1 always loads its own)
         self.model = load_model(path, dtype=dtype, device=self.device, shard=load_shard, **arch_opts)
+        if enforce_eager is None:
+            enforce_eager = load_shard is not None
         if not enforce_eager and self.device.type == "cuda":
             self.model.enable_cuda_graphs(cuda_graph_max_tokens)
         self.tokenizer = Tokenizer(path)

@@ -42,7 +42,7 @@ from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
 from deepinfer_runtime.cuda_graphs import StepGraphs, SublayerGraphs, attach_sublayer_graphs
-from deepinfer_runtime.decode_batch import DecodeBatch, batch_bucket, paged_stores
+from deepinfer_runtime.decode_batch import DecodeBatch, paged_stores
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.models.deepseek_v4_cache import (
     CompressorState,
@@ -114,10 +114,10 @@ class Compressor(nn.Module):
         """Rows a decode step reads before the new one: the group's others (and, with overlap, the previous window)."""
         return 2 * self.ratio - 1 if self.overlap else self.ratio - 1
 
-    def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> None:
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
         (name, layer) of its rings and store. Every row pools the group ending at it; the plan keeps the entries of
-        the requests that complete one. Returns every request's entries [rows, N, head_dim] (``batch.entries``)."""
+        the requests that complete one (read back through ``batch``)."""
         r, c, pos = self.ratio, self.head_dim, batch["pos"]
         kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
         score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
@@ -130,7 +130,6 @@ class Compressor(nn.Module):
             score = torch.cat([torch.where(present, score[:, :r, :c], float("-inf")), score[:, r:, c:]], dim=1)
         pooled = self.norm(kv_compress_pool(kv, score).to(x.dtype))
         batch.append(key, rope_interleaved(pooled, pos + 1 - r, inv_freq))
-        return batch.entries(key)
 
 
 class Indexer(nn.Module):
@@ -163,7 +162,8 @@ class Indexer(nn.Module):
     def decode(self, x: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq) -> torch.Tensor:
         """``forward`` for a planned decode step: x [rows, d], qr [rows, q_lora_rank] -> entry ids [rows, k]."""
         pos = batch["pos"]
-        keys = self.compressor.decode(x, batch, ("idx", layer), inv_freq)
+        self.compressor.decode(x, batch, ("idx", layer), inv_freq)
+        keys = batch.entries(("idx", layer))  # [rows, N, Dh]
         q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, inv_freq)
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         scores = indexer_scores(q[:, None], keys, weights[:, None], self.head_dim**-0.5)
@@ -244,26 +244,27 @@ class Attention(nn.Module):
                 visible = (positions + 1) // self.compressor.ratio
                 picked = torch.where(ids[None] < visible[:, None], ids[None], -1)
             idx = torch.cat([idx, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
-            kv_all = torch.cat([rows, entries.to(rows.dtype)])
+            kv_all = (rows, entries.to(rows.dtype))  # two segments: [window rows | entries]
         return sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d] (normed), one row per request ->
-        [rows, d]. The keys of every request go into one flat kv, [rows x W window rows | rows x N entries], each
-        query's ids pointing into its own request's part: one attention call."""
+        [rows, d]. One attention call over two segments: the window rows of every request [rows x W, D] and the
+        pool of compressed entries, read in place through each request's block table."""
         pos, win = batch["pos"], self.cfg.sliding_window
         qr, q = self.query(x, pos)
         kv_all, idx = batch.window(("window", self.layer), win, self.window_kv(x, pos))
         if self.kind != SLIDING:
-            entries = self.compressor.decode(x, batch, ("comp", self.layer), self.inv_freq)
-            n = entries.shape[1]
+            key = ("comp", self.layer)
+            self.compressor.decode(x, batch, key, self.inv_freq)
             if self.kind == CSA:
                 picked = self.indexer.decode(x, qr, batch, self.layer, self.inv_freq)
             else:  # HCA: every complete window is visible
-                ids = torch.arange(n, device=x.device)[None]
+                ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < ((pos + 1) // self.compressor.ratio)[:, None], ids, -1)
-            idx = torch.cat([idx, torch.where(picked >= 0, picked + kv_all.shape[0] + batch.own_rows(n), -1)], 1)
-            kv_all = torch.cat([kv_all, entries.flatten(0, 1).to(kv_all.dtype)])
+            rows = batch.pool_rows(key, picked)
+            idx = torch.cat([idx, torch.where(rows >= 0, rows + kv_all.shape[0], -1)], dim=1)
+            kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)
 
@@ -553,7 +554,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         ids = torch.cat(chunks).to(dev)
         batch = self.plan_decode(chunks, caches)
         if batch is not None:
-            logits = self._decode_step(batch, ids)
+            logits = batch.run(ids, self._decode_rows)
             for c in caches:
                 c.seq_len += 1
             wanted = logit_rows or [None] * len(caches)  # a one-token chunk's rows: [0] or none
@@ -603,11 +604,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if plans and kv_pools is None:
             return None
         dev = self.embed.weight.device
-        graphs = self.step_graphs
-        rows = (
-            batch_bucket(len(caches)) if graphs is not None and graphs.applies(batch_bucket(len(caches)), dev) else None
-        )
-        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, rows)
+        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, self.step_graphs)
         for i in range(self.cfg.num_hidden_layers):
             batch.plan_ring({("window", i): [c.layers[i].window for c in caches]}, self.cfg.sliding_window - 1)
         for key, plan in plans.items():
@@ -617,20 +614,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             batch.plan_append(key, [s.store() for s in group], plan.ratio, plan.width - plan.prev_width, self.dtype)
         if plans:
             tables = [states[next(iter(plans))][j].store().table for j in range(len(caches))]
-            batch.plan_tables(tables, kv_pools.block_size, bucket=rows is not None)
+            batch.plan_tables(tables, kv_pools.block_size, bucket=batch.graphs is not None)
         return batch.seal(dev)
 
-    def _decode_step(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
-        """A planned decode step: ids [size] -> fp32 logits [rows, V]; through a CUDA graph where captured."""
-        if batch.pad:
-            ids = torch.cat([ids, ids.new_zeros(batch.pad)])
-        graphs = self.step_graphs
-        if graphs is None or not graphs.applies(batch.rows, ids.device):
-            return self._decode_rows(batch, ids)
-        return graphs.run(batch.shape_key, lambda data, i: self._decode_rows(batch.rebind(data), i), batch.data, ids)
-
     def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
-        """The device work of a planned decode step (static shapes, no host reads): ids [rows] -> logits [rows, V]."""
+        """The device work of a planned decode step (static shapes, no host reads): ids [rows] -> logits [rows, V];
+        replayed from a CUDA graph where ``enable_cuda_graphs`` was called (``DecodeBatch.run``)."""
         x = self.embed.weight[ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             x = layer.decode(x, ids, batch)

@@ -56,7 +56,7 @@ from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
-from deepinfer_runtime.cuda_graphs import SublayerGraphs, attach_sublayer_graphs
+from deepinfer_runtime.cuda_graphs import StepGraphs, SublayerGraphs, attach_sublayer_graphs
 from deepinfer_runtime.decode_batch import DecodeBatch, paged_stores
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import RowStore, TensorRows
@@ -421,8 +421,8 @@ class Attention(nn.Module):
         """Softmax with sinks over [window | selected entries], inverse RoPE, grouped output -> [S, d]."""
         if entries is None:
             kv_all, idx = kv_rows, win_ids
-        else:
-            kv_all = torch.cat([kv_rows, entries.to(kv_rows.dtype)])
+        else:  # two segments: [window rows | entries]
+            kv_all = (kv_rows, entries.to(kv_rows.dtype))
             idx = torch.cat([win_ids, torch.where(picked >= 0, picked + kv_rows.shape[0], -1)], dim=1)
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
@@ -502,7 +502,6 @@ class Attention(nn.Module):
         kv_rows, win_ids = batch.window(("window", self.layer), self.window, self.window_kv(x, pos))
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
-        entries = batch.entries(("kv", self.kv_source))  # [rows, N, D]: rows past a request's length not visible
         if self.index_source == self.layer:
             scores = self.index_scores_batched(x, qr, pos, batch.entries(("idx", self.kv_source)))  # [rows, 1, N]
             visible = ((pos + 1) // self.ratio)[:, None]
@@ -514,9 +513,9 @@ class Attention(nn.Module):
                 )
             picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
             shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
-        picked = shared[("topk", self.index_source)]
-        picked = torch.where(picked >= 0, picked + batch.own_rows(entries.shape[1]), -1)
-        return self.attend(q, kv_rows, entries.flatten(0, 1), win_ids, picked, pos)
+        key = ("kv", self.kv_source)  # the entries are read in place, from the pool
+        picked = batch.pool_rows(key, shared[("topk", self.index_source)])
+        return self.attend(q, kv_rows, batch.kv[key].flat, win_ids, picked, pos)
 
     def index_scores_batched(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
         """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
@@ -727,11 +726,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.head = Linear(d, cfg.vocab_size, dtype)
         self.mtp = nn.ModuleList(DSparkStage(cfg, s, dtype, fake_quant) for s in range(cfg.num_nextn_predict_layers))
         self.draft_method = "dspark" if len(self.mtp) else None
+        self.step_graphs: StepGraphs | None = None  # set by enable_cuda_graphs
         self.register_buffer("engram_token_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
 
     def enable_cuda_graphs(self, max_tokens: int = 64) -> SublayerGraphs:
-        """Replay the FFN sites of steps of at most ``max_tokens`` tokens from CUDA graphs (``cuda_graphs``);
-        results stay bitwise those of eager execution."""
+        """Replay decode steps of at most ``max_tokens`` requests planned as one batch (``plan_decode``; Engram
+        tables on the device) from CUDA graphs of the whole step, and the FFN sites of other steps of at most
+        ``max_tokens`` tokens (``cuda_graphs``); results stay bitwise those of eager execution."""
+        self.step_graphs = StepGraphs(max_tokens)
         return attach_sublayer_graphs(self, Block, max_tokens)
 
     def slot_specs(self, backtrack: int = 0) -> list[SlotSpec]:
@@ -786,16 +788,20 @@ class DeepseekV41ForCausalLM(nn.Module):
     def engram_ids(self, ids: torch.Tensor, history: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """Hash ids [S, 24] per Engram layer for one request's chunk ``ids`` [S]."""
         compressed = self.engram_token_map[ids][None]
-        token_map = self.engram_token_map
-        if getattr(self, "_engram_pad", (None,))[0] != token_map._version:  # read once per map (a device read)
-            self._engram_pad = (token_map._version, int(token_map[self.cfg.engram_pad_token_id]))
-        pad = self._engram_pad[1]
+        pad = self._engram_pad_id()
         out = {}
         for block in self.layers:
             if hasattr(block, "engram"):
                 e = block.engram
                 out[block.layer] = engram_hash_ids(compressed, history, e.multipliers, e.primes, pad)[0]
         return out
+
+    def _engram_pad_id(self) -> int:
+        """The compressed id of the Engram pad token (read from the device once per token map)."""
+        token_map = self.engram_token_map
+        if getattr(self, "_engram_pad", (None,))[0] != token_map._version:
+            self._engram_pad = (token_map._version, int(token_map[self.cfg.engram_pad_token_id]))
+        return self._engram_pad[1]
 
     def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Final collapse with the last FFN pre, norm, fp32 head: [T, V]."""
@@ -839,6 +845,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         if len(caches) != len(chunks):
             raise ValueError(f"need one cache per request: {len(caches)} caches for {len(chunks)} chunks")
         dev = self.embed.weight.device
+        batch = self.plan_decode(chunks, caches, prompt_lens)
+        if batch is not None:
+            logits = batch.run(torch.cat(chunks).to(dev), self._decode_rows)
+            for c in caches:
+                c.seq_len += 1
+                c.ctx_end = c.seq_len if self.mtp else c.ctx_end
+            wanted = logit_rows or [None] * len(caches)  # a one-token chunk's rows: [0] or none
+            return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
         steps, start = [], 0
         for i, (ids, c) in enumerate(zip(chunks, caches)):
             floor = None
@@ -853,11 +867,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(
                 f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
             )
-        batch = self.plan_decode(chunks, caches, [st.yoco_floor for st in steps])
         engram = [self.engram_ids(chunk.to(dev), st.cache.engram_history) for chunk, st in zip(chunks, steps)]
         x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
-        shared = [dict() for _ in steps] + [dict()]  # per request; the last one for batched decode layers
+        shared = [dict() for _ in steps]
         taps: dict[int, torch.Tensor] = {}
         where = list(range(x.shape[0]))  # each flat row's index among the rows still computed (-1: dropped)
         comp_inputs, comp_rows = None, None
@@ -876,7 +889,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 taps[layer] = x.float().mean(dim=1).to(x.dtype)
             boundary = comp_inputs is not None and layer == cfg.n_prefill_layer
             comp = (comp_inputs, comp_rows) if boundary else None
-            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp, batch))
+            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
         # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
         picked, sizes = [], []  # row ids built on the host: no device reads
         for i, st in enumerate(all_steps):
@@ -907,22 +920,30 @@ class DeepseekV41ForCausalLM(nn.Module):
         return outs
 
     def plan_decode(
-        self, chunks: list[torch.Tensor], caches: list[V41SequenceCache], floors: list[int | None]
+        self, chunks: list[torch.Tensor], caches: list[V41SequenceCache], prompt_lens: list[int | None] | None
     ) -> DecodeBatch | None:
-        """The plan of a decode step whose attention runs as one batch (``decode_batch``), or None where the
-        general path runs: a chunk of other than one token, a YOCO floor, requests outside one slot pool or one
-        engine's paged pools."""
-        if not caches or any(ch.shape[0] != 1 for ch in chunks) or any(f is not None for f in floors):
+        """The plan of a decode step run as one batch (``decode_batch``), or None where the general path runs: a
+        chunk of other than one token, a prompt length (a YOCO floor), a request without its Engram lookback yet,
+        requests outside one slot pool or one engine's paged pools. Image tokens are not checked here (the engine
+        refuses them at admission; the check would read the device)."""
+        floors = self.yoco_mode != "off" and prompt_lens is not None and any(n is not None for n in prompt_lens)
+        if not caches or floors or any(ch.shape[0] != 1 for ch in chunks):
             return None
         pool, cfg = caches[0].slots.pool, self.cfg
-        if any(c.slots.pool is not pool for c in caches):
+        if any(c.slots.pool is not pool for c in caches) or (
+            cfg.engram_layer_ids and not all(c.has_history for c in caches)
+        ):
             return None
         ratios = {src: cfg.compress_ratio(src) for src in cfg.kv_source_layer_ids}
         sources = {src: [c.source(src, r) for c in caches] for src, r in ratios.items()}
         kv_pools = paged_stores([s for group in sources.values() for src in group for s in (src.entries, src.keys)])
         if ratios and kv_pools is None:
             return None
-        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool)
+        dev = self.embed.weight.device
+        # an Engram table outside the device (pinned host memory) is read through the host: no graphs then
+        on_device = all(b.engram.rows.device == dev for b in self.layers if hasattr(b, "engram"))
+        graphs = self.step_graphs if on_device else None
+        batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, graphs)
         for i in range(cfg.num_hidden_layers):
             batch.plan_ring({("window", i): [c.windows[i] for c in caches]}, cfg.sliding_window - 1)
         for src, r in ratios.items():
@@ -931,18 +952,47 @@ class DeepseekV41ForCausalLM(nn.Module):
                 batch.plan_ring({("kv", src): [s.kv for s in group], ("score", src): [s.score for s in group]}, r - 1)
             batch.plan_append(("kv", src), [s.entries for s in group], r, cfg.head_dim, self.dtype)
             batch.plan_append(("idx", src), [s.keys for s in group], r, cfg.index_head_dim, self.dtype)
+        for k in range(len(self.mtp)):
+            batch.plan_ring({("dspark", k): [c.dspark_ctx[k] for c in caches]}, 0)
         if ratios:
             first = next(iter(sources.values()))
-            batch.plan_tables([s.entries.table for s in first], kv_pools.block_size, bucket=False)
-        return batch.seal(self.embed.weight.device)
+            batch.plan_tables([s.entries.table for s in first], kv_pools.block_size, bucket=batch.graphs is not None)
+        if cfg.engram_layer_ids:
+            self._engram_pad_id()  # read once, outside any graph capture
+        return batch.seal(dev)
 
-    def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp, batch):
-        """The attention sublayer over a token-flat step: each request's rows against its own cache, or, in a
-        planned decode step (``batch``), all at once (``Attention.forward_decode``; ``shared[-1]`` is then the
-        step's). ``comp`` = (inputs, rows) of the boundary compressor in compact YOCO mode, else None."""
+    def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
+        """The device work of a planned decode step (static shapes, no host reads): ids [rows] -> logits [rows, V];
+        replayed from a CUDA graph where ``enable_cuda_graphs`` was called (``DecodeBatch.run``). The Engram
+        lookback of each request is read from and written back to its slot; the DSpark context keys go to their
+        rings."""
+        cfg, rows, slots = self.cfg, batch.rows, batch["slots"]
+        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        pre_mix = mhc_initial_pre_mix(rows, cfg.hc_mult, ids.device)
+        compressed = self.engram_token_map[ids][:, None]
+        history = batch.buffers[("engram",)][slots].view(rows, -1) if cfg.engram_layer_ids else None
+        shared, taps = {}, {}
+        for block in self.layers:
+            if hasattr(block, "engram"):
+                e = block.engram
+                x = e(x, engram_hash_ids(compressed, history, e.multipliers, e.primes, self._engram_pad_id())[:, 0])
+            if block.layer in cfg.dspark_target_layer_ids:
+                taps[block.layer] = x.float().mean(dim=1).to(x.dtype)
+            x, pre_mix = block.run(x, pre_mix, partial(block.attn.forward_decode, batch=batch, shared=shared))
+        logits = self.logits(x, pre_mix)
+        if self.mtp and taps:
+            feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
+            for k, stage in enumerate(self.mtp):
+                batch.behind(("dspark", k), 0, stage.attn.window_kv(feats, batch["pos"]))
+        if history is not None:
+            lookback = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
+            batch.buffers[("engram",)][slots] = lookback.view(rows, -1, 1)
+        return logits
+
+    def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp):
+        """The attention sublayer over a token-flat step: each request's rows against its own cache.
+        ``comp`` = (inputs, rows) of the boundary compressor in compact YOCO mode, else None."""
         decoder = block.layer >= self.cfg.n_prefill_layer
-        if batch is not None:
-            return lambda u: block.attn.forward_decode(u, batch, shared[-1])
 
         def attn_fn(u: torch.Tensor) -> torch.Tensor:
             outs = []

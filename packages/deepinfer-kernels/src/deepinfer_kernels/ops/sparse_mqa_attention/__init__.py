@@ -8,7 +8,11 @@ from . import reference as _reference  # noqa: F401  (registers the reference)
 
 
 def sparse_mqa_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor | tuple[torch.Tensor, ...],
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """o[t, h] = sum_k p[t, h, k] * kv[indices[t, k]], with
     p[t, h, k] = exp(s - m) / (sum_k' exp(s' - m) + exp(sink[h] - m)), s = scale * q[t, h] . kv[indices[t, k]]
@@ -19,7 +23,10 @@ def sparse_mqa_attention(
 
     Args:
         q: [T, H, D] queries (T tokens, H heads, D head dim), any float dtype.
-        kv: [N, D] the entries the indices point into (same dtype family as q).
+        kv: [N, D] the entries the indices point into (same dtype family as q); or a tuple of such
+            segments [N_i, D] (one dtype), addressed as their concatenation (index N_0 + j is row j of
+            the second): the window rows of a step and a paged pool of compressed entries, say,
+            without copying the pool. The GPU kernels read two segments in place.
         indices: [T, K] int64 rows of ``kv`` per query; -1 marks an unused slot. Order is free.
         sinks: [H] fp32 per-head sink logits.
         scale: softmax scale (D^-0.5 for DeepSeek V4).
@@ -28,17 +35,22 @@ def sparse_mqa_attention(
         [T, H, D] in q.dtype, computed in fp32. A row whose indices are all -1 gives zeros.
         See reference.py.
     """
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+    segments = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
+    if not segments or q.dim() != 3 or indices.dim() != 2 or any(s.dim() != 2 for s in segments):
         raise ValueError(
-            f"sparse_mqa_attention: want q [T,H,D], kv [N,D], indices [T,K]; got "
-            f"{tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}"
+            f"sparse_mqa_attention: want q [T,H,D], kv [N,D] (or segments of them), indices [T,K]; got "
+            f"{tuple(q.shape)}, {[tuple(s.shape) for s in segments]}, {tuple(indices.shape)}"
         )
-    if q.shape[-1] != kv.shape[-1] or indices.shape[0] != q.shape[0] or sinks.shape != (q.shape[1],):
+    if (
+        any(s.shape[-1] != q.shape[-1] or s.dtype != segments[0].dtype for s in segments)
+        or indices.shape[0] != q.shape[0]
+        or sinks.shape != (q.shape[1],)
+    ):
         raise ValueError(
-            f"sparse_mqa_attention: inconsistent shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
-            f"indices {tuple(indices.shape)}, sinks {tuple(sinks.shape)}"
+            f"sparse_mqa_attention: inconsistent shapes q {tuple(q.shape)}, kv {[tuple(s.shape) for s in segments]} "
+            f"({[s.dtype for s in segments]}), indices {tuple(indices.shape)}, sinks {tuple(sinks.shape)}"
         )
-    return dispatch("sparse_mqa_attention", q.device, q, kv, indices, sinks, scale)
+    return dispatch("sparse_mqa_attention", q.device, q, segments if len(segments) > 1 else kv, indices, sinks, scale)
 
 
 try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)

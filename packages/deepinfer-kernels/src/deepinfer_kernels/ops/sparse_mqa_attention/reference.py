@@ -27,6 +27,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: flo
 def sparse_mqa_attention_ref(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
+    if isinstance(kv, (tuple, list)):  # segments: their concatenation
+        kv = torch.cat(list(kv))
     t, h, d = q.shape
     out = torch.zeros(t, h, d, dtype=torch.float32, device=q.device)
     valid = indices >= 0

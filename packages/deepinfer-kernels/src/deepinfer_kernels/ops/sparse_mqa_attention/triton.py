@@ -3,7 +3,9 @@
 Serves ``sparse_mqa_attention`` (contract in ``__init__.py``) for decode and prefill alike: every
 query row gathers its own K = V rows of the shared pool ``kv`` [N, D] through ``indices`` [T, K]
 (flat slots, -1 = padding, int64 or int32), so the op already is the paged-decode interface
-(pool + per-row slot list; FlashMLA's ``indices`` are the same flat physical slots).
+(pool + per-row slot list; FlashMLA's ``indices`` are the same flat physical slots). ``kv`` may be two
+segments read in place (a decode step's window rows and the paged pool of compressed entries): slot
+i < N_0 is row i of the first, slot N_0 + j row j of the second.
 
 Kernel ``_attn_partial``: grid (T, ceil(H / BLOCK_H), n_splits). A program loads its BLOCK_H query
 heads [BLOCK_H, D] once, walks its split of the index list in BLOCK_N tiles (gather the rows,
@@ -35,11 +37,11 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 @triton.jit
 def _attn_partial(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
-    H, D, K, n_splits, scale,
-    q_st, q_sh, kv_s, idx_st, o_st, o_sh,
+    q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
+    H, D, K, N1, n_splits, scale,
+    q_st, q_sh, kv_s, kv2_s, idx_st, o_st, o_sh,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TWO: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,7 +59,12 @@ def _attn_partial(
         n = j + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_ptr + t * idx_st + n, mask=n < hi, other=-1).to(tl.int64)
         ok = slot >= 0
-        kt = tl.load(kv_ptr + slot[:, None] * kv_s + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if TWO:  # rows past the first segment's N1 are rows of the second
+            first = slot < N1
+            rows = tl.where(first, kv_ptr + slot * kv_s, kv2_ptr + (slot - N1) * kv2_s)
+            kt = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kv_ptr + slot[:, None] * kv_s + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:  # interpreter only: its bf16 dot is wrong; fp32 dots of bf16 values are exact products
             s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee") * scale
         else:
@@ -118,7 +125,10 @@ def launch(
 ) -> torch.Tensor:  # fmt: skip
     """Run the kernels. ``split``: entries per split (a multiple of ``block_n``), or None for one pass
     per row. The tile arguments are exposed for the benchmark's sweep; the backends fix them."""
-    require_same_device(q, kv, indices, sinks)
+    segments = list(kv) if isinstance(kv, (tuple, list)) else [kv]
+    if len(segments) > 2:  # the kernel reads two segments in place; more are concatenated first
+        segments = [segments[0], torch.cat(segments[1:])]
+    require_same_device(q, *segments, indices, sinks)
     t, h, d = q.shape
     k = indices.shape[1]
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
@@ -127,13 +137,14 @@ def launch(
     if k == 0:
         return out.zero_()
     q = q if q.stride(-1) == 1 else q.contiguous()
-    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    segments = [s if s.stride(-1) == 1 else s.contiguous() for s in segments]
     indices = indices.contiguous()
     sinks = sinks.float().contiguous()
     block_h = max(16, min(block_h, triton.next_power_of_2(h)))  # tl.dot needs M >= 16 (padded heads)
     block_d = triton.next_power_of_2(d)
-    prec = "ieee" if q.dtype == torch.float32 or kv.dtype == torch.float32 else "tf32"  # tf32: unused for bf16
-    kv = kv.to(q.dtype) if kv.dtype != q.dtype else kv
+    prec = "ieee" if q.dtype == torch.float32 or segments[0].dtype == torch.float32 else "tf32"  # tf32: not for bf16
+    segments = [s.to(q.dtype) if s.dtype != q.dtype else s for s in segments]
+    kv, kv2 = segments[0], segments[-1]
     if split is not None and split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     n_splits = 1 if split is None else triton.cdiv(k, split)
@@ -150,10 +161,10 @@ def launch(
         qc, ic, oc = q[r0:r1], indices[r0:r1], out[r0:r1]
         grid = (r1 - r0, triton.cdiv(h, block_h), n_splits)
         _attn_partial[grid](
-            qc, kv, ic, sinks, oc, acc, ml, h, d, k, n_splits, float(scale),
-            qc.stride(0), qc.stride(1), kv.stride(0), ic.stride(0), oc.stride(0), oc.stride(1),
+            qc, kv, kv2, ic, sinks, oc, acc, ml, h, d, k, kv.shape[0], n_splits, float(scale),
+            qc.stride(0), qc.stride(1), kv.stride(0), kv2.stride(0), ic.stride(0), oc.stride(0), oc.stride(1),
             SPLIT=span, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FINAL=final, DOT_PREC=prec,
-            UPCAST=interpreting() and prec != "ieee",
+            UPCAST=interpreting() and prec != "ieee", TWO=len(segments) == 2,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         if not final:
