@@ -223,8 +223,9 @@ def _check_moe(x, experts, weights, w13, w2, what):
     got = moe_experts(x, experts, weights, w13, w2, swiglu_limit=LIMIT)
     want = moe_experts_ref(x, experts, weights, w13, w2, swiglu_limit=LIMIT)
     assert got.dtype == x.dtype
-    # both round the same fp32 sums (up to their order) to bf16 once
-    assert_rel_close(got, want, 2e-3, what)
+    # the backend rounds the hidden state to bf16 for the down GEMM (the reference keeps it fp32), then both
+    # round the same fp32 sums (up to their order) to bf16 once
+    assert_rel_close(got, want, 4e-3, what)
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
     try:
         again = moe_experts(x, experts, weights, w13, w2, swiglu_limit=LIMIT)

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import torch
 
 
-def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``; on CUDA one pinned non-blocking copy (no wait for the
-    device)."""
-    t = torch.tensor(values, dtype=dtype)
+def host_tensor(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (a sequence, or a CPU tensor) as a ``dtype`` tensor on ``device``; on CUDA one pinned
+    non-blocking copy (no wait for the device)."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from deepinfer_runtime.host_copy import host_tensor
+
 
 class RowStore(Protocol):
     def __len__(self) -> int: ...
@@ -130,8 +132,10 @@ class PagedRows:
                 f"cache {self.key}: row {stop - 1} needs block {(stop - 1) // rpb} but the table holds "
                 f"{len(self.table)} blocks (the scheduler must grow the table before the step)"
             )
+        # built on the host, sent in one pinned non-blocking copy (a pageable copy would wait for the device)
         blocks = torch.tensor(self.table, dtype=torch.long)[idx // rpb]
-        return blocks.to(self.pool.data.device), (idx % rpb).to(self.pool.data.device)
+        both = host_tensor(torch.stack([blocks, idx % rpb]), torch.long, self.pool.data.device)
+        return both[0], both[1]
 
     def append(self, rows: torch.Tensor) -> None:
         if self.pool is None:
