@@ -12,13 +12,15 @@ A ``DecodeBatch`` splits the step in two:
   lengths, advances them as the step will, and records what the device needs (positions, slots, how far back
   each ring holds, the row each newly completed entry goes to, block tables) in one int64 list, sent to the
   device in one copy (``seal``);
-* the device work (``behind``, ``window``, ``append``, ``entries``): gathers and scatters whose shapes depend
-  only on the batch rows and the table width, and which read only that tensor, so a whole step can be captured
-  in a CUDA graph once and replayed with the data of a later plan of the same ``shape_key`` (``rebind``).
+* the device work (``behind``, ``window``, ``append``, ``entries``, ``pool_rows``): gathers and scatters whose
+  shapes depend only on the batch rows and the table width, and which read only that tensor, so a whole step can
+  be captured in a CUDA graph once and replayed with the data of a later plan of the same ``shape_key``
+  (``rebind``, ``run``).
 
-Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row; every
-request's entries are read up to the table width (``rows_per_block`` x blocks), the rows past its own length
-masked by visibility in the attention and the indexer.
+Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row.
+Attention reads the compressed entries it selects in place, from the pool (``pool_rows``); the indexer scores
+every request's index keys up to the table width (``entries``: ``rows_per_block`` x blocks), the rows past a
+request's own length masked by visibility.
 """
 
 from __future__ import annotations

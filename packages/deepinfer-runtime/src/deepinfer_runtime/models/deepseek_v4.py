@@ -609,7 +609,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             batch.plan_ring({("window", i): [c.layers[i].window for c in caches]}, self.cfg.sliding_window - 1)
         for key, plan in plans.items():
             group = states[key]
-            back = plan.ratio - 1 + (plan.ratio if plan.prev_width else 0)
+            back = plan.ring_rows(0)  # the rows a decode step reads behind the new one (Compressor.decode_back)
             batch.plan_ring({(*key, "kv"): [s.kv for s in group], (*key, "score"): [s.score for s in group]}, back)
             batch.plan_append(key, [s.store() for s in group], plan.ratio, plan.width - plan.prev_width, self.dtype)
         if plans:

@@ -23,12 +23,25 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: flo
     return row_sum(probs[:, :, None, :] * keys.transpose(1, 2)[:, None, :, :]).squeeze(-1)  # [R, H, D]
 
 
+def _used_rows(segments: list[torch.Tensor], indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments addressed as their concatenation -> (the rows ``indices`` use, in ascending order [U, D], indices
+    into them). The same values as concatenating, without copying a whole pool per call."""
+    used = indices[indices >= 0].unique()  # sorted
+    rows, start = [], 0
+    for seg in segments:
+        mine = used[(used >= start) & (used < start + seg.shape[0])] - start
+        rows.append(seg[mine])
+        start += seg.shape[0]
+    remapped = torch.searchsorted(used, indices.clamp(min=0))
+    return torch.cat(rows), torch.where(indices >= 0, remapped, -1)
+
+
 @register_reference("sparse_mqa_attention")
 def sparse_mqa_attention_ref(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    if isinstance(kv, (tuple, list)):  # segments: their concatenation
-        kv = torch.cat(list(kv))
+    if isinstance(kv, (tuple, list)):  # segments: the rows the indices use, gathered (not the whole pool)
+        kv, indices = _used_rows(list(kv), indices)
     t, h, d = q.shape
     out = torch.zeros(t, h, d, dtype=torch.float32, device=q.device)
     valid = indices >= 0
