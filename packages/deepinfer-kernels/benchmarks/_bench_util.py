@@ -18,6 +18,18 @@ def bench_ms(fn, *args, **kwargs) -> float:
     return float(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median"))
 
 
+def wall_us(fn, *args, calls: int = 100) -> float:
+    """Host wall time per call (us) of ``calls`` back-to-back calls, synchronised once at the end (what a
+    launch-bound caller pays, unlike ``bench_ms``'s device time)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer, GB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

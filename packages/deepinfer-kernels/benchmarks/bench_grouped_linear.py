@@ -12,13 +12,12 @@ back-to-back calls. Appends JSON lines to benchmarks/results/bench_grouped_linea
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops, wall_us  # noqa: E402
 from deepinfer_kernels.ops.grouped_linear.cublas import grouped_linear_cublas  # noqa: E402
 from deepinfer_kernels.ops.grouped_linear.reference import grouped_linear_ref  # noqa: E402
 from deepinfer_kernels.ops.grouped_linear.triton import grouped_linear_triton_fixed  # noqa: E402
@@ -26,17 +25,6 @@ from deepinfer_kernels.ops.grouped_linear.triton import grouped_linear_triton_fi
 G, DIN, DOUT = 8, 4096, 1024
 T_SIZES = [1, 8, 64, 4096]
 IMPLS = {"reference": grouped_linear_ref, "cublas": grouped_linear_cublas, "triton_fixed": grouped_linear_triton_fixed}
-
-
-def wall_us(fn, *args, calls: int = 100) -> float:
-    """Host wall time per call of ``calls`` back-to-back calls, synchronised once at the end."""
-    fn(*args)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:

@@ -10,26 +10,13 @@ Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/ben
 Writes ``benchmarks/results/bench_rope.jsonl``.
 """
 
-import time
-
 import torch
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, wall_us
 from deepinfer_kernels.ops.rope import YarnScaling, rope_inv_freq
 from deepinfer_kernels.ops.rope.reference import rope_interleaved_ref
 from deepinfer_kernels.ops.rope.triton import rope_interleaved_triton
 
 SITES = {"q": (64, 512), "kv": (512,), "indexer_q": (64, 128)}  # middle dims + D
-
-
-def wall_us(fn, *args, calls: int = 200) -> float:
-    """Host wall time per call of ``calls`` back-to-back calls, synchronised once at the end."""
-    fn(*args)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:
@@ -48,10 +35,10 @@ def main() -> None:
                 ref_ms = bench_ms(rope_interleaved_ref, x, pos, inv)
                 mismatch = int((rope_interleaved_triton(x, pos, inv) != rope_interleaved_ref(x, pos, inv)).sum())
                 gbs = nbytes / ms / 1e6
+                walls = [wall_us(fn, x, pos, inv, calls=200) for fn in (rope_interleaved_triton, rope_interleaved_ref)]
                 row = dict(site=site, shape="x".join(map(str, (t, *dims))), dtype=str(dtype).split(".")[-1],
                            us=ms * 1e3, gbs=gbs, pct_ceiling=100 * gbs / ceiling, ref_us=ref_ms * 1e3,
-                           speedup=ref_ms / ms, wall_us=wall_us(rope_interleaved_triton, x, pos, inv),
-                           ref_wall_us=wall_us(rope_interleaved_ref, x, pos, inv), mismatch=mismatch)  # fmt: skip
+                           speedup=ref_ms / ms, wall_us=walls[0], ref_wall_us=walls[1], mismatch=mismatch)  # fmt: skip
                 rec.add(case="rope_interleaved", **row)
                 table.append(row)
     print(f"\n== rope_interleaved (copy ceiling {ceiling:.0f} GB/s)")

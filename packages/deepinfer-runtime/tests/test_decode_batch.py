@@ -176,7 +176,7 @@ def test_plan_then_device_work():
     assert batch.rows == batch_bucket(3) == 4 and batch.pad == 1
 
     new = torch.arange(-8.0, 0.0).view(4, 2)
-    prior, held = batch.behind("r", 3, new)
+    prior, held = batch.behind("r", new)  # the 3 rows behind, as planned
     assert torch.equal(prior[0], torch.arange(6.0, 12.0).view(3, 2)) and held[0].all()
     assert not held[1:].any()
     assert torch.equal(rings[0].read(6, 7), new[:1]) and torch.equal(rings[2].read(0, 1), new[2:3])

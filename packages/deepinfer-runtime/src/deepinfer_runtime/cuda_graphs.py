@@ -30,6 +30,29 @@ class _Graph:
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor
 
+    @classmethod
+    def capture(cls, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], pool, warm_up: bool) -> _Graph:
+        """``fn`` recorded over static copies of ``inputs`` in memory pool ``pool``; with ``warm_up`` it runs once
+        first on a side stream (lazy initialisation and compilation stay out of the graph)."""
+        static = tuple(t.clone() for t in inputs)
+        if warm_up:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(*static)
+            torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn(*static)
+        return cls(graph, static, out)
+
+    def replay(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Copy ``inputs`` into the static ones, replay, return the (static) output."""
+        for dst, src in zip(self.inputs, inputs):
+            dst.copy_(src)
+        self.graph.replay()
+        return self.output
+
 
 class SublayerGraphs:
     """Graphs per (sublayer key, input shapes), for steps of at most ``max_tokens`` tokens (larger steps, prefill
@@ -50,25 +73,9 @@ class SublayerGraphs:
         shapes = tuple((t.shape, t.dtype) for t in inputs)
         entry = self.graphs.get((key, shapes))
         if entry is None:
-            entry = self.graphs[(key, shapes)] = self._capture(fn, inputs)
-        for dst, src in zip(entry.inputs, inputs):
-            dst.copy_(src)
-        entry.graph.replay()
-        return entry.output
-
-    def _capture(self, fn, inputs) -> _Graph:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        static = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy initialisation and compilation stay out of the graph
-            fn(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(*static)
-        return _Graph(graph, static, out)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            entry = self.graphs[(key, shapes)] = _Graph.capture(fn, inputs, self.pool, warm_up=True)
+        return entry.replay(inputs)
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -113,20 +120,13 @@ class StepGraphs:
             if key not in self._seen:
                 self._seen.add(key)
                 return fn(*inputs)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            static = tuple(t.clone() for t in inputs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn(*static)
-            entry = self.graphs[key] = _Graph(graph, static, out)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            # no warm-up: the eager first step was it, and a second run would write the caches twice
+            entry = self.graphs[key] = _Graph.capture(fn, inputs, self.pool, warm_up=False)
             while len(self.graphs) > self.max_graphs:  # each holds its inputs and output in the pool
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        for dst, src in zip(entry.inputs, inputs):
-            dst.copy_(src)
-        entry.graph.replay()
-        return entry.output
+        return entry.replay(inputs)
 
     def __len__(self) -> int:
         return len(self.graphs)

@@ -64,6 +64,7 @@ class DecodeBatch:
         self.pad = self.rows - self.size
         self.buffers = pool.buffers
         self.kv: dict[object, KVPool] = {}  # store key -> its pool
+        self.back: dict[object, int] = {}  # ring buffer key -> the rows the step reads behind the new one
         self.layout: dict[object, tuple[int, tuple[int, ...]]] = {}
         self._values: list[int] = []
         self.put("pos", self.starts + [0] * self.pad)
@@ -89,6 +90,7 @@ class DecodeBatch:
         for group in rings.values():
             for r, p in zip(group, self.starts):
                 r.advance(p, 1)
+        self.back.update(dict.fromkeys(rings, back))
         self.put([("first", key) for key in rings], firsts + [0] * self.pad)
 
     def plan_append(self, key: object, stores: list[PagedRows], ratio: int, width: int, dtype: torch.dtype) -> None:
@@ -140,6 +142,12 @@ class DecodeBatch:
             ids = torch.cat([ids, ids.new_zeros(self.pad)])
         return self.graphs.run(self.shape_key, lambda data, i: fn(self.rebind(data), i), self.data, ids)
 
+    def per_request(self, logits: torch.Tensor, logit_rows: list[torch.Tensor | None] | None) -> list[torch.Tensor]:
+        """Each request's logits out of the step's [rows, V]: its one row, or none where ``logit_rows[i]`` (the
+        models' ``forward_step`` argument: offsets into a one-token chunk) is empty."""
+        wanted = logit_rows or [None] * self.size
+        return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
+
     def rebind(self, data: torch.Tensor) -> DecodeBatch:
         """This plan reading ``data`` (a graph's static copy of another plan's ``data`` of the same shape)."""
         out = copy.copy(self)
@@ -151,11 +159,12 @@ class DecodeBatch:
         off, shape = self.layout[name]
         return self.data[off : off + math.prod(shape)].view(shape)
 
-    def behind(self, key: object, back: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def behind(self, key: object, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key`` and return what it held
-        before: the rows of positions p - back .. p - 1 [rows, back, C] (read before the write, which may
-        overwrite the oldest) and ``held`` [rows, back] bool (else the row is unspecified)."""
-        buf, pos, slots = self.buffers[key], self["pos"], self["slots"]
+        before: the rows of positions p - back .. p - 1 [rows, back, C] (``back`` as planned by ``plan_ring``;
+        read before the write, which may overwrite the oldest) and ``held`` [rows, back] bool (else the row is
+        unspecified)."""
+        buf, pos, slots, back = self.buffers[key], self["pos"], self["slots"], self.back[key]
         cap = buf.shape[1]
         key_pos = pos[:, None] - back + torch.arange(back, device=pos.device)
         held = key_pos >= self[("first", key)][:, None]
@@ -163,11 +172,13 @@ class DecodeBatch:
         buf[slots, pos % cap] = rows.to(buf.dtype)
         return prior, held
 
-    def window(self, key: object, window: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key``; return each
-        request's last ``window`` positions flat, [rows x W, D] (request b's rows b*W .. b*W + W - 1 hold
-        positions p - W + 1 .. p), and the ids [rows, W] its query attends to (-1: a position not held)."""
-        held_rows, held = self.behind(key, window - 1, kv)
+    def window(self, key: object, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key`` (planned with
+        ``back`` = W - 1); return each request's last W positions flat, [rows x W, D] (request b's rows b*W ..
+        b*W + W - 1 hold positions p - W + 1 .. p), and the ids [rows, W] its query attends to (-1: a position
+        not held)."""
+        window = self.back[key] + 1
+        held_rows, held = self.behind(key, kv)
         rows = torch.cat([held_rows, kv[:, None].to(held_rows.dtype)], dim=1)
         ids = self.own_rows(window) + torch.arange(window, device=kv.device)
         return rows.flatten(0, 1), torch.where(torch.cat([held, held.new_ones(self.rows, 1)], dim=1), ids, -1)

@@ -109,11 +109,6 @@ class Compressor(nn.Module):
         entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
-    @property
-    def decode_back(self) -> int:
-        """Rows a decode step reads before the new one: the group's others (and, with overlap, the previous window)."""
-        return 2 * self.ratio - 1 if self.overlap else self.ratio - 1
-
     def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> None:
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
         (name, layer) of its rings and store. Every row pools the group ending at it; the plan keeps the entries of
@@ -121,8 +116,9 @@ class Compressor(nn.Module):
         r, c, pos = self.ratio, self.head_dim, batch["pos"]
         kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
         score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
-        held_kv, held = batch.behind((*key, "kv"), self.decode_back, kv)
-        held_score, _ = batch.behind((*key, "score"), self.decode_back, score)
+        # the plan's look-back: the group's other rows and, with overlap, the previous window (ring_rows(0))
+        held_kv, held = batch.behind((*key, "kv"), kv)
+        held_score, _ = batch.behind((*key, "score"), score)
         kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
         if self.overlap:  # slots [0, r): the previous window's A-halves (empty before the first entry)
             present = held[:, :r, None]
@@ -251,9 +247,9 @@ class Attention(nn.Module):
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d] (normed), one row per request ->
         [rows, d]. One attention call over two segments: the window rows of every request [rows x W, D] and the
         pool of compressed entries, read in place through each request's block table."""
-        pos, win = batch["pos"], self.cfg.sliding_window
+        pos = batch["pos"]
         qr, q = self.query(x, pos)
-        kv_all, idx = batch.window(("window", self.layer), win, self.window_kv(x, pos))
+        kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos))
         if self.kind != SLIDING:
             key = ("comp", self.layer)
             self.compressor.decode(x, batch, key, self.inv_freq)
@@ -557,8 +553,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             logits = batch.run(ids, self._decode_rows)
             for c in caches:
                 c.seq_len += 1
-            wanted = logit_rows or [None] * len(caches)  # a one-token chunk's rows: [0] or none
-            return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
+            return batch.per_request(logits, logit_rows)
         starts = [c.seq_len for c in caches]
         positions = [torch.arange(s, s + ch.shape[0], device=dev) for s, ch in zip(starts, chunks)]
         x = self.embed.weight[ids]
@@ -609,7 +604,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             batch.plan_ring({("window", i): [c.layers[i].window for c in caches]}, self.cfg.sliding_window - 1)
         for key, plan in plans.items():
             group = states[key]
-            back = plan.ring_rows(0)  # the rows a decode step reads behind the new one (Compressor.decode_back)
+            back = plan.ring_rows(0)  # the group's other rows and, with overlap, the previous window
             batch.plan_ring({(*key, "kv"): [s.kv for s in group], (*key, "score"): [s.score for s in group]}, back)
             batch.plan_append(key, [s.store() for s in group], plan.ratio, plan.width - plan.prev_width, self.dtype)
         if plans:

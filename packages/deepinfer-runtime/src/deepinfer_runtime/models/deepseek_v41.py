@@ -499,7 +499,7 @@ class Attention(nn.Module):
         if self.kv_source == self.layer:
             self.feed_compressor_decode(x, batch)
         qr, q = self.query(x, pos)
-        kv_rows, win_ids = batch.window(("window", self.layer), self.window, self.window_kv(x, pos))
+        kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos))
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
         if self.index_source == self.layer:
@@ -535,8 +535,8 @@ class Attention(nn.Module):
         if r == 1:
             latent, group_pos = kv, pos
         else:
-            held_kv, _ = batch.behind(("kv", self.layer), r - 1, kv)
-            held_score, _ = batch.behind(("score", self.layer), r - 1, score)
+            held_kv, _ = batch.behind(("kv", self.layer), kv)  # the group's other r - 1 rows
+            held_score, _ = batch.behind(("score", self.layer), score)
             kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
             latent, group_pos = self.compressor.pool(kv, score, x.dtype), pos + 1 - r
         entry, key = self.publish(latent, group_pos)
@@ -850,9 +850,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             logits = batch.run(torch.cat(chunks).to(dev), self._decode_rows)
             for c in caches:
                 c.seq_len += 1
-                c.ctx_end = c.seq_len if self.mtp else c.ctx_end
-            wanted = logit_rows or [None] * len(caches)  # a one-token chunk's rows: [0] or none
-            return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
+            return batch.per_request(logits, logit_rows)
         steps, start = [], 0
         for i, (ids, c) in enumerate(zip(chunks, caches)):
             floor = None
@@ -954,6 +952,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             batch.plan_append(("idx", src), [s.keys for s in group], r, cfg.index_head_dim, self.dtype)
         for k in range(len(self.mtp)):
             batch.plan_ring({("dspark", k): [c.dspark_ctx[k] for c in caches]}, 0)
+        if self.mtp:  # the step writes each request's context key at its position (``_decode_rows``)
+            for c in caches:
+                c.ctx_end = c.seq_len + 1
         if ratios:
             first = next(iter(sources.values()))
             batch.plan_tables([s.entries.table for s in first], kv_pools.block_size, bucket=batch.graphs is not None)
@@ -983,7 +984,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for k, stage in enumerate(self.mtp):
-                batch.behind(("dspark", k), 0, stage.attn.window_kv(feats, batch["pos"]))
+                batch.behind(("dspark", k), stage.attn.window_kv(feats, batch["pos"]))
         if history is not None:
             lookback = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
             batch.buffers[("engram",)][slots] = lookback.view(rows, -1, 1)
