@@ -41,14 +41,14 @@ def _build(arch: str, dev: str, tiny: bool):
     return ms.build_random_model(cfg, dev, dtype, experts="shared", yoco_mode="compact")
 
 
-def _summary(prof, steps: int, top: int) -> dict:
-    events = prof.key_averages()
+def _summary(prof, steps: int, top: int, shapes: bool = False) -> dict:
+    events = prof.key_averages(group_by_input_shape=shapes)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in kernels) if kernels else 0.0
 
     def row(e, key):
         return {
-            "op": e.key[:90],
+            "op": e.key[:90] + (f" {e.input_shapes}"[:160] if shapes and e.input_shapes else ""),
             "calls_per_step": e.count / steps,
             "host_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
             "gpu_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
@@ -70,9 +70,9 @@ def _summary(prof, steps: int, top: int) -> dict:
     }
 
 
-def _profile(step, dev: str, steps: int, top: int) -> dict:
+def _profile(step, dev: str, steps: int, top: int, shapes: bool = False) -> dict:
     """Wall time of ``steps`` calls of ``step()`` (after 2 warm-up calls), then the same under torch.profiler
-    and under cProfile."""
+    (ops grouped by input shapes with ``shapes``) and under cProfile."""
     for _ in range(2):  # warm-up (compilation, allocator)
         step()
     sync(dev)
@@ -82,11 +82,11 @@ def _profile(step, dev: str, steps: int, top: int) -> dict:
     sync(dev)
     wall = (time.perf_counter() - start) / steps * 1e3
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(dev).type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         for _ in range(steps):
             step()
         sync(dev)
-    rec = {"wall_ms_per_step": wall, **_summary(prof, steps, top)}
+    rec = {"wall_ms_per_step": wall, **_summary(prof, steps, top, shapes)}
     py = cProfile.Profile()  # the host side by Python function (where launches and syncs come from)
     py.enable()
     for _ in range(steps):
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (enable_cuda_graphs)")
+    ap.add_argument("--shapes", action="store_true", help="group ops by input shapes (eager steps show them)")
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     args = ap.parse_args()
     from deepinfer_runtime.kv_pool import KVPools
@@ -141,7 +142,7 @@ def main() -> None:
             def step(m=model, a=arch, ids=ids):
                 prefill(m, a, [m.new_cache()], [ids], 8192, dev)
 
-            rec = _profile(step, dev, args.steps, args.top)
+            rec = _profile(step, dev, args.steps, args.top, args.shapes)
             results[f"{arch} prefill {args.context}"] = rec
             _print(f"{arch} prefill of {args.context} tokens (one request)", rec, args.steps, args.top)
         else:
@@ -156,7 +157,11 @@ def main() -> None:
             for b in batches:
                 caches = replicate_cache(base, b, pools, table, iter(range(blocks, pools.num_blocks)))
                 rec = _profile(
-                    lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)), dev, args.steps, args.top
+                    lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)),
+                    dev,
+                    args.steps,
+                    args.top,
+                    args.shapes,
                 )
                 results[f"{arch} b{b}"] = rec
                 _print(f"{arch} decode batch {b}, context {args.context}", rec, args.steps, args.top)

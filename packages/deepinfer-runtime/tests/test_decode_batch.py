@@ -116,12 +116,12 @@ def test_batched_decode_equals_per_request_cuda(arch, dirs, monkeypatch):
 @pytest.mark.parametrize("arch", ["v4", "v4.1"])
 def test_step_graphs_give_the_eager_results(arch, dirs, monkeypatch):
     """Decode steps of 6 requests (batch bucket 8: two padding rows, tables rounded up to 8 blocks) replayed from
-    whole-step CUDA graphs equal the same planned steps run eagerly, bitwise; V4.1 with its Engram tables in host
-    memory runs its planned steps eagerly."""
+    whole-step CUDA graphs equal the same planned steps run eagerly, bitwise; V4.1 with its Engram tables in pinned
+    host memory (the default on a GPU, read in place by the device) too, and with pageable host tables (read
+    through the host) runs its planned steps eagerly."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    # V4.1's Engram tables on the device (in host memory, the default, a step reads them through the host: eager)
-    engram = {"engram_device": "cuda"} if arch == "v4.1" else {}
+    engram = {"engram_device": "cuda"} if arch == "v4.1" else {}  # V4.1: the tables on the device first
     model = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch], **engram)
     model.enable_cuda_graphs(max_tokens=8)
     with monkeypatch.context() as m:  # the same plans (padded, bucketed), every step run eagerly
@@ -134,9 +134,19 @@ def test_step_graphs_give_the_eager_results(arch, dirs, monkeypatch):
         assert torch.equal(a, b), f"step {step} differs by {(a - b).abs().max().item()}"
     if arch == "v4.1":
         host = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch])
+        tables = [b.engram for b in host.layers if hasattr(b, "engram")]
+        assert tables and all(e.rows.is_pinned() for e in tables)
         host.enable_cuda_graphs(max_tokens=8)
-        again, _ = _decode(host, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
-        assert len(host.step_graphs) == 0
+        pinned, _ = _decode(host, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
+        assert len(host.step_graphs) >= 1
+        for step, (a, b) in enumerate(zip(eager, pinned)):  # the same gathered rows: the same bits
+            assert torch.equal(a, b), f"pinned host tables: step {step} differs by {(a - b).abs().max().item()}"
+        for e in tables:  # pageable copies: a lookup goes through the host, so steps cannot be captured
+            e.set_table(e.rows.clone(), e.scale.clone() if e.scale is not None else None)
+            assert not e.rows.is_pinned()
+        with monkeypatch.context() as m:
+            m.setattr(StepGraphs, "run", lambda *a: pytest.fail("a step with pageable Engram tables used graphs"))
+            again, _ = _decode(host, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES[arch]))
         for a, b in zip(eager, again):  # other batch rows and table widths: equal up to bf16 rounding
             assert (a - b).abs().max() <= 2e-2 * a.abs().max()
 
@@ -150,10 +160,10 @@ class _Bucketed:
 
 def test_plan_then_device_work():
     """The plan records from which position each ring holds the rows behind the new one (a ring restarted by a
-    later write holds nothing before it) and advances the bounds like ``write``; ``behind`` reads those rows
-    before its write overwrites the oldest; padding rows write only the scratch slot; ``plan_append`` sends the
-    entries of requests completing a group to their table's rows, the others to the scratch row; ``entries``
-    reads each request's rows through its table; a table too short is named."""
+    later write holds nothing before it) and advances the bounds like ``write``; after the step's ``write``,
+    ``ring_ids`` addresses those rows and the new one in place; padding rows write only the scratch slot;
+    ``plan_append`` sends the entries of requests completing a group to their table's rows, the others to the
+    scratch row; ``pages`` addresses each request's rows through its table; a table too short is named."""
     pool = SlotPool([SlotSpec("r", "x", 4, 2, torch.float32)], 3, 0, "cpu")
     slots = [pool.claim() for _ in range(3)]
     rings = [s["r"] for s in slots]
@@ -176,16 +186,21 @@ def test_plan_then_device_work():
     assert batch.rows == batch_bucket(3) == 4 and batch.pad == 1
 
     new = torch.arange(-8.0, 0.0).view(4, 2)
-    prior, held = batch.behind("r", new)  # the 3 rows behind, as planned
-    assert torch.equal(prior[0], torch.arange(6.0, 12.0).view(3, 2)) and held[0].all()
-    assert not held[1:].any()
+    table = batch.write("r", new)
+    ids = batch.ring_ids("r", 4)  # positions p - 3 .. p: the 3 rows behind, as planned, and the new one
+    assert torch.equal(table[ids[0]], torch.cat([torch.arange(6.0, 12.0).view(3, 2), new[:1]]))
+    assert (ids[1:, :3] == -1).all() and torch.equal(table[ids[1:, 3]], new[1:])  # nothing held behind
     assert torch.equal(rings[0].read(6, 7), new[:1]) and torch.equal(rings[2].read(0, 1), new[2:3])
     assert torch.equal(pool.buffers["r"][pool.scratch, 0], new[3])  # the padding row
+    with pytest.raises(RuntimeError, match="needs 5 rows"):
+        batch.ring_ids("r", 5)
     kv = kv_pools.pools["k"]
     batch.append("k", torch.full((4, 3), 7.0))
     assert (kv.data[5, 0] == 7).all() and (kv.flat[kv.scratch_row] == 7).all()
-    got = batch.entries("k")  # [rows, 2 blocks x 2, 3]
-    assert got.shape == (4, 4, 3) and torch.equal(got[0, :3], torch.cat([kv.data[3], kv.data[0, :1]]))
+    data, tables = batch.pages("k")  # each request's rows through its table: [rows, 2 blocks x 2, 3]
+    got = data[tables].view(4, -1, 3)
+    assert data is kv.data and got.shape == (4, 4, 3)
+    assert torch.equal(got[0, :3], torch.cat([kv.data[3], kv.data[0, :1]]))
     assert torch.equal(got[2, :1], kv.data[1, :1])
     batch2 = DecodeBatch([9], [slots[0].slot], pool)
     with pytest.raises(RuntimeError, match="needs block 2"):

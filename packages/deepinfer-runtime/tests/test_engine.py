@@ -31,7 +31,7 @@ def _small_llm(path, **kw):
 
 
 def test_v41_greedy_batch_equals_reference_alone(v41_dir):
-    llm = _small_llm(v41_dir, yoco_mode="off", kv_cache_memory=12 * 118_808 + 160 * 1536)
+    llm = _small_llm(v41_dir, yoco_mode="off", kv_cache_memory=12 * 127_000 + 160 * 1536)
     assert llm.budget.num_tokens == 160
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
@@ -50,7 +50,7 @@ def test_v4_greedy_batch_equals_transformers_alone(tiny_v4_dirs):
     from transformers import DeepseekV4ForCausalLM
 
     path = tiny_v4_dirs["mixed"]
-    llm = _small_llm(path, kv_cache_memory=12 * 25_856 + 160 * 136)
+    llm = _small_llm(path, kv_cache_memory=12 * 28_672 + 160 * 136)
     assert llm.budget.num_tokens == 160
     prompts = _prompts(seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
@@ -172,7 +172,7 @@ def test_async_scheduling_changes_nothing(v41_dir):
     ] * 4
     outs = {}
     for mode in (False, True):
-        llm = _small_llm(v41_dir, yoco_mode="off", async_scheduling=mode, kv_cache_memory=12 * 118_808 + 160 * 1536)
+        llm = _small_llm(v41_dir, yoco_mode="off", async_scheduling=mode, kv_cache_memory=12 * 127_000 + 160 * 1536)
         outs[mode] = llm.generate(prompts, params, use_tqdm=False)
         if mode:
             assert llm.engine.num_overlapped > 0, "no step was processed while the next one ran"

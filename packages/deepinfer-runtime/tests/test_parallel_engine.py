@@ -230,7 +230,7 @@ def test_cp_owner_without_free_blocks_falls_back_to_ordinary_prefill(tiny_v4_dir
     # for rank 1 (9 blocks). Step 2 (one CP job per group per step): the second long one's owner is rank 0, whose
     # short request holds 7 blocks: it cannot take 9, so the group skips and rank 0 prefills it the ordinary way.
     path = tiny_v4_dirs["mixed"]
-    kw = dict(kv_cache_memory=8 * 25_856 + 160 * 136)  # 4 request slots + 4 snapshots fixed, 160 growing tokens
+    kw = dict(kv_cache_memory=8 * 28_672 + 160 * 136)  # 4 request slots + 4 snapshots fixed, 160 growing tokens
     prompts = _prompts(seed=7, lengths=[100, 130, 130])
     ref = _single(path, prompts, **kw)
     llm = LLM(model=path, data_parallel_size=2, context_parallel_size=2, context_parallel_min_tokens=120, **OPTS, **kw)

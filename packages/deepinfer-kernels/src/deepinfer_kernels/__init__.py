@@ -8,16 +8,18 @@ from deepinfer_kernels.ops.engram import (
     compressed_token_map,
     engram_compress_ids,
     engram_gate_inject,
+    engram_gather_rows,
     engram_hash_ids,
     engram_multipliers,
     engram_next_history,
+    engram_rows_in_place,
     engram_table_primes,
 )
 from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
 from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
-from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_topk
-from deepinfer_kernels.ops.kv_compress import kv_compress_pool, overlap_windows
+from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_scores_paged, indexer_topk
+from deepinfer_kernels.ops.kv_compress import kv_compress_pool, kv_compress_pool_rows, overlap_windows
 from deepinfer_kernels.ops.linear import ROW_TILE, linear
 from deepinfer_kernels.ops.mhc import (
     MhcConfig,
@@ -67,6 +69,7 @@ __all__ = [
     "YarnScaling",
     "sparse_mqa_attention",
     "kv_compress_pool",
+    "kv_compress_pool_rows",
     "overlap_windows",
     "grouped_linear",
     "grouped_gemm",
@@ -88,6 +91,7 @@ __all__ = [
     "swiglu_clamp",
     "swiglu_mlp",
     "indexer_scores",
+    "indexer_scores_paged",
     "indexer_topk",
     "candidate_block_mask",
     "fp8_block_quantize",
@@ -102,9 +106,11 @@ __all__ = [
     "compressed_token_map",
     "engram_compress_ids",
     "engram_gate_inject",
+    "engram_gather_rows",
     "engram_hash_ids",
     "engram_multipliers",
     "engram_next_history",
+    "engram_rows_in_place",
     "engram_table_primes",
     "linear",
     "ROW_TILE",

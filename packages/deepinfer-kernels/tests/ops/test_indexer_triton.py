@@ -1,14 +1,24 @@
 """Triton indexer_scores vs the reference: the kernel under Triton's interpreter on CPU at small
 shapes, and on CUDA at V4.1-Flash shapes (32 indexer heads x 128) plus bitwise invariance in the
-number of queries and of keys."""
+number of queries and of keys; indexer_scores_paged (keys read through block tables) bitwise equal to the dense
+kernel over the gathered keys. indexer_topk (radix select) vs the reference: the same index sets on
+random scores (no ties), with visible lengths and a candidate mask."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from deepinfer_kernels.ops.indexer.reference import indexer_scores_ref  # noqa: E402
-from deepinfer_kernels.ops.indexer.triton import indexer_scores_triton  # noqa: E402
+from deepinfer_kernels.ops.indexer.reference import (  # noqa: E402
+    indexer_scores_paged_ref,
+    indexer_scores_ref,
+    indexer_topk_ref,
+)
+from deepinfer_kernels.ops.indexer.triton import (  # noqa: E402
+    indexer_scores_paged_triton,
+    indexer_scores_triton,
+    indexer_topk_triton,
+)
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  # noqa: E402
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
@@ -43,6 +53,42 @@ INTERP_CASES = {
 INTERP_CASES["invariance"] = ("_interp_invariance_in_queries_and_keys", ())
 
 
+def _check_topk(b, s, n, k, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.randn(b, s, n, generator=g, device=device)
+    visible = torch.randint(0, n + 5, (b, s), generator=g, device=device)
+    visible[0, 0] = n  # one full row
+    mask = torch.rand(b, s, n, generator=g, device=device) < 0.7
+    for m in (None, mask):
+        got, want = indexer_topk_triton(scores, visible, k, m), indexer_topk_ref(scores, visible, k, m)
+        assert torch.equal(got, want), f"indexer_topk mask={m is not None} differs in {(got != want).sum()} slots"
+
+
+def _interp_topk(b, s, n, k):
+    _check_topk(b, s, n, k, "cpu", n)
+
+
+def _check_paged(b, s, h, dh, rpb, nblk, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, _, w = _inputs(b, s, h, dh, 1, dtype, device, seed)
+    pool = torch.randn(3 * b * nblk, rpb, dh, generator=g, device=device).to(dtype)
+    tables = torch.stack([torch.randperm(pool.shape[0], generator=g, device=device)[:nblk] for _ in range(b)])
+    got = indexer_scores_paged_triton(q, pool, tables, w, SCALE)
+    dense = indexer_scores_triton(q, pool[tables].view(b, -1, dh), w, SCALE)
+    assert_bitwise(got, dense, "paged vs the dense kernel over the gathered keys")
+    assert_rel_close(got, indexer_scores_paged_ref(q, pool, tables, w, SCALE), 1e-5, "paged vs reference")
+
+
+def _interp_paged(dtype: str):
+    _check_paged(3, 1, 16, 32, 8, 5, getattr(torch, dtype), "cpu", 7)
+
+
+INTERP_CASES["paged-float32"] = ("_interp_paged", ("float32",))
+INTERP_CASES["paged-bfloat16"] = ("_interp_paged", ("bfloat16",))
+INTERP_CASES["topk"] = ("_interp_topk", (2, 3, 300, 40))
+INTERP_CASES["topk-k-wider-than-n"] = ("_interp_topk", (1, 2, 30, 64))
+
+
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
@@ -58,3 +104,15 @@ def test_gpu_matches_reference_and_is_invariant(dtype, s, n):
     assert_bitwise(indexer_scores_triton(q[:, r : r + 1].clone(), k, w[:, r : r + 1].clone(), SCALE)[0, 0],
                    out[0, r], "query alone vs in the batch")  # fmt: skip
     assert_bitwise(indexer_scores_triton(q, k[:, : n - 100], w, SCALE), out[..., : n - 100], "fewer keys")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "s", "n"), [(1, 1, 1024), (256, 1, 1280), (1, 512, 8192), (1, 1, 32768)])
+def test_gpu_topk_matches_reference(b, s, n):
+    _check_topk(b, s, n, 512, "cuda", n + s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "nblk"), [(1, 33), (256, 40), (8, 264)])
+def test_gpu_paged_equals_dense(b, nblk):
+    _check_paged(b, 1, 32, 128, 32, nblk, torch.bfloat16, "cuda", b + nblk)  # V4.1: 32 heads, ratio 4, block 128

@@ -12,19 +12,22 @@ A ``DecodeBatch`` splits the step in two:
   lengths, advances them as the step will, and records what the device needs (positions, slots, how far back
   each ring holds, the row each newly completed entry goes to, block tables) in one int64 list, sent to the
   device in one copy (``seal``);
-* the device work (``behind``, ``window``, ``append``, ``entries``, ``pool_rows``): gathers and scatters whose
-  shapes depend only on the batch rows and the table width, and which read only that tensor, so a whole step can
-  be captured in a CUDA graph once and replayed with the data of a later plan of the same ``shape_key``
-  (``rebind``, ``run``).
+* the device work (``write``, ``ring_ids``, ``window``, ``append``, ``pages``, ``pool_rows``): scatters and
+  row ids whose shapes depend only on the batch rows and the table width, and which read only that tensor, so a
+  whole step can be captured in a CUDA graph once and replayed with the data of a later plan of the same
+  ``shape_key`` (``rebind``, ``run``).
 
 Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row.
-Attention reads the compressed entries it selects in place, from the pool (``pool_rows``); the indexer scores
-every request's index keys up to the table width (``entries``: ``rows_per_block`` x blocks), the rows past a
+Nothing is gathered for attention or the compressors: a ring keeps its newest row too, so after the step's write
+the window and a compressor's group are read in place from the slot pool's buffers (``ring_ids``), and attention
+reads the compressed entries it selects in place, from the pool (``pool_rows``). The indexer scores every
+request's index keys up to the table width in place too (``pages``: ``rows_per_block`` x blocks), the rows past a
 request's own length masked by visibility.
 """
 
 from __future__ import annotations
 
+import array
 import copy
 import math
 
@@ -66,7 +69,9 @@ class DecodeBatch:
         self.kv: dict[object, KVPool] = {}  # store key -> its pool
         self.back: dict[object, int] = {}  # ring buffer key -> the rows the step reads behind the new one
         self.layout: dict[object, tuple[int, tuple[int, ...]]] = {}
-        self._values: list[int] = []
+        # int64 values filled from Python ints in C loops (``array``): torch.tensor(list) is ~3x slower per int,
+        # and a step at batch 256 and 32K tokens sends ~70K of them (the block tables)
+        self._values = array.array("q")
         self.put("pos", self.starts + [0] * self.pad)
         self.put("slots", list(slots) + [pool.scratch] * self.pad)
         self.data: torch.Tensor | None = None
@@ -78,18 +83,18 @@ class DecodeBatch:
         shape = (self.rows, width) if width else (self.rows,)
         for name in names if isinstance(names, list) else [names]:
             self.layout[name] = (len(self._values), shape)
-        self._values += values
+        self._values.extend(values)
 
     def plan_ring(self, rings: dict[object, list[Ring]], back: int) -> None:
         """The step writes one row per request at its position p into the rings (per slot-pool buffer key, one
-        ring per request; every key's rings with the same bounds) and reads the ``back`` rows before it: record
-        from which position each request's rings hold them, then advance the bounds. A ring holds [lo, end); one
-        whose end is not p restarts at p (``Ring.write``), so it holds nothing before."""
+        ring per request; every key's rings with the same bounds) and reads the ``back`` rows before it (in place,
+        after the write: ``ring_ids``): record from which position each request's rings hold them, then advance the
+        bounds. A ring holds [lo, end); one whose end is not p restarts at p (``Ring.write``), so it holds nothing
+        before."""
         first = next(iter(rings.values()))
         firsts = [max(r.lo, p - back) if r.end == p else p for r, p in zip(first, self.starts)]
         for group in rings.values():
-            for r, p in zip(group, self.starts):
-                r.advance(p, 1)
+            Ring.advance_each(group, self.starts)
         self.back.update(dict.fromkeys(rings, back))
         self.put([("first", key) for key in rings], firsts + [0] * self.pad)
 
@@ -120,12 +125,16 @@ class DecodeBatch:
         if bucket:
             width = -(-width // TABLE_BUCKET) * TABLE_BUCKET
         # blocks past a request's table read block 0: rows it does not own, never visible to it
-        rows = [(t[:width] + [0] * width)[:width] for t in tables] + [[0] * width] * self.pad
-        self.put("tables", [b for t in rows for b in t], width)
+        self.layout["tables"] = (len(self._values), (self.rows, width))
+        zeros = [0] * width
+        for t in tables:
+            self._values.extend(t[:width])
+            self._values.extend(zeros[: max(width - len(t), 0)])
+        self._values.extend(zeros * self.pad)
 
     def seal(self, device: torch.device) -> DecodeBatch:
         """Send the plan to the device (one pinned copy)."""
-        self.data = long_tensor(self._values, device)
+        self.data = long_tensor(torch.frombuffer(self._values, dtype=torch.int64), device)
         return self
 
     @property
@@ -159,29 +168,33 @@ class DecodeBatch:
         off, shape = self.layout[name]
         return self.data[off : off + math.prod(shape)].view(shape)
 
-    def behind(self, key: object, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key`` and return what it held
-        before: the rows of positions p - back .. p - 1 [rows, back, C] (``back`` as planned by ``plan_ring``;
-        read before the write, which may overwrite the oldest) and ``held`` [rows, back] bool (else the row is
-        unspecified)."""
-        buf, pos, slots, back = self.buffers[key], self["pos"], self["slots"], self.back[key]
-        cap = buf.shape[1]
-        key_pos = pos[:, None] - back + torch.arange(back, device=pos.device)
-        held = key_pos >= self[("first", key)][:, None]
-        prior = buf[slots[:, None], key_pos.clamp(min=0) % cap]
-        buf[slots, pos % cap] = rows.to(buf.dtype)
-        return prior, held
+    def write(self, key: object, rows: torch.Tensor) -> torch.Tensor:
+        """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key``; return the buffer as one
+        row table [num_slots x R, C] (what ``ring_ids`` addresses, read in place)."""
+        buf, pos = self.buffers[key], self["pos"]
+        buf[self["slots"], pos % buf.shape[1]] = rows.to(buf.dtype)
+        return buf.view(-1, buf.shape[-1])
+
+    def ring_ids(self, key: object, n: int) -> torch.Tensor:
+        """[rows, n]: the rows of ring buffer ``key``'s table (``write``) holding each request's positions
+        p - n + 1 .. p after this step's write, -1 for a position the ring does not hold. The ring must keep n
+        rows (so the write did not overwrite the oldest) and the plan must look ``n - 1`` rows back."""
+        pos, cap = self["pos"], self.buffers[key].shape[1]
+        if cap < n or self.back[key] < n - 1:
+            raise RuntimeError(
+                f"ring {key}: reading {n} positions in place needs {n} rows and a plan {n - 1} rows back "
+                f"(has {cap} rows, planned {self.back[key]})"
+            )
+        key_pos = pos[:, None] + torch.arange(1 - n, 1, device=pos.device)
+        ids = self["slots"][:, None] * cap + key_pos.clamp(min=0) % cap
+        return torch.where(key_pos >= self[("first", key)][:, None], ids, -1)
 
     def window(self, key: object, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key`` (planned with
-        ``back`` = W - 1); return each request's last W positions flat, [rows x W, D] (request b's rows b*W ..
-        b*W + W - 1 hold positions p - W + 1 .. p), and the ids [rows, W] its query attends to (-1: a position
-        not held)."""
-        window = self.back[key] + 1
-        held_rows, held = self.behind(key, kv)
-        rows = torch.cat([held_rows, kv[:, None].to(held_rows.dtype)], dim=1)
-        ids = self.own_rows(window) + torch.arange(window, device=kv.device)
-        return rows.flatten(0, 1), torch.where(torch.cat([held, held.new_ones(self.rows, 1)], dim=1), ids, -1)
+        ``back`` = W - 1, W + B rows); return its row table [num_slots x R, D], read in place, and the rows of each
+        request's last W positions in it [rows, W] (positions p - W + 1 .. p; -1: a position not held)."""
+        table = self.write(key, kv)
+        return table, self.ring_ids(key, self.back[key] + 1)
 
     def append(self, key: object, rows: torch.Tensor) -> None:
         """Store each request's newly completed entry rows [rows, C] of store ``key`` where the plan put it."""
@@ -192,12 +205,11 @@ class DecodeBatch:
         """Entries of store ``key`` a request's table reaches (table width x rows per block)."""
         return self.layout["tables"][1][1] * self.kv[key].rows_per_block
 
-    def entries(self, key: object) -> torch.Tensor:
-        """Every request's rows of store ``key`` through its table: [rows, N, C], N = table width x rows per
-        block; entry n of request b at [b, n] for n below its length, the rest unspecified."""
-        pool = self.kv[key]
-        tables = self["tables"]
-        return pool.data[tables].view(self.rows, -1, pool.data.shape[-1])
+    def pages(self, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``'s pool [num_blocks, rows per block, C] and the block tables [rows, width]: entry n of
+        request b is ``pool[tables[b, n // R], n % R]``, meaningful for n below its length (what the indexer reads
+        in place, ``indexer_scores_paged``)."""
+        return self.kv[key].data, self["tables"]
 
     def pool_rows(self, key: object, ids: torch.Tensor) -> torch.Tensor:
         """Rows of store ``key``'s pool (``kv[key].flat``) holding each request's entries ``ids`` [rows, K]
@@ -206,7 +218,3 @@ class DecodeBatch:
         safe = ids.clamp(min=0)
         blocks = self["tables"].gather(1, safe // rpb)
         return torch.where(ids >= 0, blocks * rpb + safe % rpb, -1)
-
-    def own_rows(self, n: int) -> torch.Tensor:
-        """[rows, 1]: the first row of each request's block in a flat tensor of ``rows`` blocks of ``n`` rows."""
-        return torch.arange(self.rows, device=self.data.device)[:, None] * n

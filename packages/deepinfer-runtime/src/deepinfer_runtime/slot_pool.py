@@ -75,6 +75,18 @@ class Ring:
         self.end = start + k
         self.lo = max(self.lo, self.end - self.capacity)
 
+    @staticmethod
+    def advance_each(rings: list[Ring], starts: list[int]) -> None:
+        """``ring.advance(p, 1)`` for each ring and its position p, rings of one buffer (one capacity): the bounds
+        after a decode step, in one loop (a step plans thousands of them)."""
+        cap = rings[0].capacity if rings else 0
+        for r, p in zip(rings, starts):
+            if p < r.end:
+                raise RuntimeError(f"ring write at position {p} behind its end {r.end} (roll back first)")
+            lo = r.lo if p == r.end else p
+            r.end = p + 1
+            r.lo = lo if lo > p + 1 - cap else p + 1 - cap
+
     def read(self, lo: int, hi: int) -> torch.Tensor:
         """Rows of positions lo .. hi - 1 in position order [hi - lo, width] (a gathered copy)."""
         if not self.lo <= lo <= hi <= self.end:

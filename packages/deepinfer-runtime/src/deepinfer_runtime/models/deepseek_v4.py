@@ -23,8 +23,10 @@ import torch
 from deepinfer_kernels import (
     grouped_linear,
     indexer_scores,
+    indexer_scores_paged,
     indexer_topk,
     kv_compress_pool,
+    kv_compress_pool_rows,
     linear,
     mhc_collapse,
     mhc_head_weights,
@@ -111,21 +113,17 @@ class Compressor(nn.Module):
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> None:
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
-        (name, layer) of its rings and store. Every row pools the group ending at it; the plan keeps the entries of
-        the requests that complete one (read back through ``batch``)."""
+        (name, layer) of its rings and store. The requests whose row completes a group pool it from their rings in
+        place (the others' rows are empty: their NaN entries go to the scratch row the plan gave them)."""
         r, c, pos = self.ratio, self.head_dim, batch["pos"]
         kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
         score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
-        # the plan's look-back: the group's other rows and, with overlap, the previous window (ring_rows(0))
-        held_kv, held = batch.behind((*key, "kv"), kv)
-        held_score, _ = batch.behind((*key, "score"), score)
-        kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
-        if self.overlap:  # slots [0, r): the previous window's A-halves (empty before the first entry)
-            present = held[:, :r, None]
-            kv = torch.cat([torch.where(present, kv[:, :r, :c], 0), kv[:, r:, c:]], dim=1)
-            score = torch.cat([torch.where(present, score[:, :r, :c], float("-inf")), score[:, r:, c:]], dim=1)
-        pooled = self.norm(kv_compress_pool(kv, score).to(x.dtype))
-        batch.append(key, rope_interleaved(pooled, pos + 1 - r, inv_freq))
+        kv_table, score_table = batch.write((*key, "kv"), kv), batch.write((*key, "score"), score)
+        # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
+        rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r)
+        rows = torch.where(((pos + 1) % r == 0)[:, None], rows, -1)
+        pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
+        batch.append(key, rope_interleaved(self.norm(pooled.to(x.dtype)), pos + 1 - r, inv_freq))
 
 
 class Indexer(nn.Module):
@@ -159,10 +157,10 @@ class Indexer(nn.Module):
         """``forward`` for a planned decode step: x [rows, d], qr [rows, q_lora_rank] -> entry ids [rows, k]."""
         pos = batch["pos"]
         self.compressor.decode(x, batch, ("idx", layer), inv_freq)
-        keys = batch.entries(("idx", layer))  # [rows, N, Dh]
+        pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, inv_freq)
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = indexer_scores(q[:, None], keys, weights[:, None], self.head_dim**-0.5)
+        scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = ((pos + 1) // self.ratio)[:, None]  # a request's rows past its own entries are never visible
         return indexer_topk(scores, visible, self.topk)[:, 0]
 
@@ -736,12 +734,12 @@ def v4_cache_layout(
     kinds = [cfg.layer_types[i] for i in range(cfg.num_hidden_layers)]
     r_csa, r_hca = cfg.compress_rates[CSA], cfg.compress_rates[HCA]
     n_csa, n_hca = kinds.count(CSA), kinds.count(HCA)
-    # fp32 rings of projected rows (kv + score): CSA (compressor of width 2d, indexer of width 2dh) the pending
-    # ratio - 1 rows, the previous window's ratio rows (its A-halves feed the next group) and B; HCA ratio - 1 + B
-    csa_state = (2 * r_csa - 1 + b) * 2 * (2 * d + 2 * dh) * 4
-    hca_state = (r_hca - 1 + b) * 2 * d * 4
+    # fp32 rings of projected rows (kv + score): CSA (compressor of width 2d, indexer of width 2dh) the group's
+    # ratio rows, the previous window's ratio rows (its A-halves feed the next group) and B; HCA ratio + B
+    csa_state = (2 * r_csa + b) * 2 * (2 * d + 2 * dh) * 4
+    hca_state = (r_hca + b) * 2 * d * 4
     kinds = [
-        CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
+        CacheKind("window latents", 0, cfg.num_hidden_layers * (w + b) * d * e),
         CacheKind("compressed KV (CSA)", n_csa * d * e / r_csa, 0),
         CacheKind("index keys (CSA)", n_csa * dh * e / r_csa, 0),
         CacheKind("compressed KV (HCA)", n_hca * d * e / r_hca, 0),

@@ -33,15 +33,18 @@ import torch.nn.functional as F
 from deepinfer_kernels import (
     candidate_block_mask,
     engram_gate_inject,
+    engram_gather_rows,
     engram_hash_ids,
     engram_next_history,
+    engram_rows_in_place,
     fake_quant_e2m1,
     fake_quant_fp8_ue8m0,
-    fp8_block_dequantize,
     grouped_linear,
     indexer_scores,
+    indexer_scores_paged,
     indexer_topk,
     kv_compress_pool,
+    kv_compress_pool_rows,
     linear,
     mhc_collapse,
     mhc_initial_pre_mix,
@@ -90,8 +93,8 @@ TRUNCATION_MODES = ("off", "mask", "compact")
 @dataclass
 class SourceState:
     """What a KV source publishes: entries [N, D] (RoPE'd, quantised) and index keys [N, Dh] as row
-    stores (``kv_pool``), and for ratio > 1 the rings of the fp32 projections (kv, score) [ratio - 1 + B, D]
-    by position: the incomplete group (positions num_entries * ratio ..) and B rows for rollback."""
+    stores (``kv_pool``), and for ratio > 1 the rings of the fp32 projections (kv, score) [ratio + B, D] by
+    position: the incomplete group (positions num_entries * ratio ..), the newest row and B rows for rollback."""
 
     entries: RowStore
     keys: RowStore
@@ -118,16 +121,17 @@ class SourceState:
 
 
 def v41_slot_specs(cfg: DeepseekV41Config, dtype: torch.dtype, backtrack: int = 0) -> list[SlotSpec]:
-    """The fixed buffers of one request: window rings [W - 1 + B, D] per layer and DSpark context rings
-    [W + B, D] per stage in ``dtype``; projection rings (kv, score) [ratio - 1 + B, D] fp32 per ratio > 1 KV
-    source; the Engram lookback [n - 1, 1] int64 (compressed ids) when the model has Engram layers."""
+    """The fixed buffers of one request: window rings [W + B, D] per layer and DSpark context rings [W + B, D] per
+    stage in ``dtype``; projection rings (kv, score) [ratio + B, D] fp32 per ratio > 1 KV source; the Engram
+    lookback [n - 1, 1] int64 (compressed ids) when the model has Engram layers. A ring keeps the newest row too
+    (W, not W - 1; ratio, not ratio - 1) so that a planned decode step reads it in place after its write."""
     w, d, b = cfg.sliding_window, cfg.head_dim, backtrack
-    specs = [SlotSpec(("window", i), "window latents", w - 1 + b, d, dtype) for i in range(cfg.num_hidden_layers)]
+    specs = [SlotSpec(("window", i), "window latents", w + b, d, dtype) for i in range(cfg.num_hidden_layers)]
     for src in cfg.kv_source_layer_ids:
         r = cfg.compress_ratio(src)
         if r > 1:
             tail = "compressor tails (fp32)"
-            specs += [SlotSpec((part, src), tail, r - 1 + b, d, torch.float32) for part in ("kv", "score")]
+            specs += [SlotSpec((part, src), tail, r + b, d, torch.float32) for part in ("kv", "score")]
     if cfg.engram_layer_ids:
         specs.append(SlotSpec(("engram",), "Engram lookback", cfg.engram_max_ngram_size - 1, 1, torch.int64))
     specs += [SlotSpec(("dspark", k), "DSpark context", w + b, d, dtype) for k in range(cfg.num_nextn_predict_layers)]
@@ -139,8 +143,8 @@ class V41SequenceCache:
     """One request's state: window rings per layer, source states, Engram lookback, DSpark context rings.
 
     The fixed-size state lives in ``slots`` (a slot of a ``slot_pool.SlotPool`` made from ``v41_slot_specs``):
-    windows[l]: ring [W - 1 + B, D] of layer l's window latents by position (the W - 1 a query attends to before
-    its own position, B more for rollback); in compact YOCO mode decoder layers hold only rows at or after the
+    windows[l]: ring [W + B, D] of layer l's window latents by position (the W - 1 a query attends to before
+    its own position, its own, B more for rollback); in compact YOCO mode decoder layers hold only rows at or after the
     floor. dspark_ctx[s]: ring [W + B, D] of DSpark stage-s context keys (positions .. ctx_end - 1).
     engram_history: [1, n - 1] compressed ids of the last positions (None before the first chunk).
     new_rows(key, ratio) makes the growing stores: standalone tensors by default, pool pages in the engine.
@@ -284,11 +288,12 @@ class Engram(nn.Module):
         """ids [T, C] row ids -> dequantised rows [T, C * head_dim]."""
         if self.row_range is not None:
             raise RuntimeError(f"Engram: holds rows {self.row_range[:2]} of the table only; lookups need sharding")
-        flat = ids.reshape(-1).to(self.rows.device)
-        rows = self.rows[flat]
-        if self.scale is not None:
-            rows = fp8_block_dequantize(rows, self.scale[flat], (1, 32), out_dtype=torch.float32)
-        return rows.to(device=device, dtype=dtype).view(ids.shape[0], -1)
+        return engram_gather_rows(self.rows, self.scale, ids.to(device), dtype)
+
+    def in_place(self, device: torch.device) -> bool:
+        """Lookups from ``device`` need no host sync (the table is there, or pinned and read in place): a step
+        that makes them can be captured in a CUDA graph."""
+        return self.row_range is None and engram_rows_in_place(self.rows, device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, n, d] streams, ids [T, 24] -> streams with the gated value added (fp32 gate)."""
@@ -321,6 +326,10 @@ class Compressor(nn.Module):
     def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """kv, score [G, ratio, D] fp32 -> normed latents [G, D] in ``dtype``."""
         return self.norm(kv_compress_pool(kv, score).to(dtype))
+
+    def pool_rows(self, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``pool`` of groups read in place: kv, score [N, D] fp32 row tables, rows [G, ratio] ids (-1 empty)."""
+        return self.norm(kv_compress_pool_rows(kv, score, rows, 0, kv.shape[-1]).to(dtype))
 
 
 class Indexer(nn.Module):
@@ -468,8 +477,9 @@ class Attention(nn.Module):
 
     def append_window(self, cache: V41SequenceCache, kv: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
         """Append window latents kv [S, D] of positions start.. to the cache's window ring: returns the rows [held
-        window rows | kv] the queries attend over and the position of their row 0. The ring keeps the last W - 1
-        rows to attend to, and B more to roll back into (speculative decoding): ``slot_pool.append_window``."""
+        window rows | kv] the queries attend over and the position of their row 0. The ring keeps the last W rows
+        (a query's W - 1 and its own), and B more to roll back into (speculative decoding):
+        ``slot_pool.append_window``."""
         return append_window(cache.windows[self.layer], kv, self.window, start)
 
     def attend_cached(self, x, qr, q, rows, first: int, pos, floor, cache: V41SequenceCache, shared: dict):
@@ -503,7 +513,7 @@ class Attention(nn.Module):
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
         if self.index_source == self.layer:
-            scores = self.index_scores_batched(x, qr, pos, batch.entries(("idx", self.kv_source)))  # [rows, 1, N]
+            scores = self.index_scores_batched(x, qr, pos, *batch.pages(("idx", self.kv_source)))  # [rows, 1, N]
             visible = ((pos + 1) // self.ratio)[:, None]
             cand = shared.get("candidates") if self.uses_candidates else None
             if self.is_candidate_source:
@@ -517,28 +527,29 @@ class Attention(nn.Module):
         picked = batch.pool_rows(key, shared[("topk", self.index_source)])
         return self.attend(q, kv_rows, batch.kv[key].flat, win_ids, picked, pos)
 
-    def index_scores_batched(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
+    def index_scores_batched(self, x, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
-        against each request's keys [rows, N, Dh] -> [rows, 1, N] fp32."""
+        against each request's keys, read in place from ``pool`` [blocks, R, Dh] through ``tables`` [rows, nblk]
+        -> [rows, 1, nblk x R] fp32."""
         ix = self.indexer
         qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, self.inv_freq)
         if self.fake_quant:
             qi = fake_quant_e2m1(qi, 32, "ue8m0")
         weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
-        return indexer_scores(qi[:, None], keys, weights[:, None], ix.head_dim**-0.5)
+        return indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], ix.head_dim**-0.5)
 
     def feed_compressor_decode(self, x: torch.Tensor, batch: DecodeBatch) -> None:
         """``feed_compressor`` of one row per request: every row publishes the group ending at it; the plan keeps
-        the entries of the requests that complete one."""
+        the entries of the requests that complete one. A group is pooled from the rings in place, by the requests
+        that complete it (the others' rows are empty: NaN entries, stored in the scratch row)."""
         kv, score = self.compressor.project(x)
         r, pos = self.ratio, batch["pos"]
         if r == 1:
             latent, group_pos = kv, pos
         else:
-            held_kv, _ = batch.behind(("kv", self.layer), kv)  # the group's other r - 1 rows
-            held_score, _ = batch.behind(("score", self.layer), score)
-            kv, score = torch.cat([held_kv, kv[:, None]], dim=1), torch.cat([held_score, score[:, None]], dim=1)
-            latent, group_pos = self.compressor.pool(kv, score, x.dtype), pos + 1 - r
+            kv_table, score_table = batch.write(("kv", self.layer), kv), batch.write(("score", self.layer), score)
+            rows = torch.where(((pos + 1) % r == 0)[:, None], batch.ring_ids(("kv", self.layer), r), -1)
+            latent, group_pos = self.compressor.pool_rows(kv_table, score_table, rows, x.dtype), pos + 1 - r
         entry, key = self.publish(latent, group_pos)
         batch.append(("kv", self.layer), entry)
         batch.append(("idx", self.layer), key)
@@ -938,9 +949,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         if ratios and kv_pools is None:
             return None
         dev = self.embed.weight.device
-        # an Engram table outside the device (pinned host memory) is read through the host: no graphs then
-        on_device = all(b.engram.rows.device == dev for b in self.layers if hasattr(b, "engram"))
-        graphs = self.step_graphs if on_device else None
+        # an Engram table the device cannot read in place (pageable host memory) is read through the host: no graphs
+        in_place = all(b.engram.in_place(dev) for b in self.layers if hasattr(b, "engram"))
+        graphs = self.step_graphs if in_place else None
         batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, graphs)
         for i in range(cfg.num_hidden_layers):
             batch.plan_ring({("window", i): [c.windows[i] for c in caches]}, cfg.sliding_window - 1)
@@ -984,7 +995,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for k, stage in enumerate(self.mtp):
-                batch.behind(("dspark", k), stage.attn.window_kv(feats, batch["pos"]))
+                batch.write(("dspark", k), stage.attn.window_kv(feats, batch["pos"]))
         if history is not None:
             lookback = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
             batch.buffers[("engram",)][slots] = lookback.view(rows, -1, 1)
@@ -1114,17 +1125,17 @@ __all__ = ["DeepseekV41ForCausalLM", "V41SequenceCache", "DraftBlock", "TRUNCATI
 def v41_cache_layout(cfg: DeepseekV41Config, dtype: torch.dtype, backtrack: int = 0) -> CacheLayout:
     """Bytes of the reference model's per-request state, by cache kind (latents kept in ``dtype``; the packed GPU
     records are ``deepseek_v41_cache_bytes.cache_bytes_per_token``): what one slot of the ``slot_pool`` holds.
-    ``backtrack`` B: the rings' extra rows for speculative rollback (windows W - 1 + B, DSpark context W + B,
-    compressor projections ratio - 1 + B)."""
+    ``backtrack`` B: the rings' extra rows for speculative rollback (windows W + B, DSpark context W + B,
+    compressor projections ratio + B)."""
     e = torch.finfo(dtype).bits // 8
     w, d, dh, b = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, backtrack
     sources = [(layer, cfg.compress_ratio(layer)) for layer in cfg.kv_source_layer_ids]
     return CacheLayout(
         (
-            CacheKind("window latents", 0, cfg.num_hidden_layers * (w - 1 + b) * d * e),
+            CacheKind("window latents", 0, cfg.num_hidden_layers * (w + b) * d * e),
             CacheKind("compressed KV", sum(d * e / r for _, r in sources), 0),
             CacheKind("index keys", sum(dh * e / r for _, r in sources), 0),
-            CacheKind("compressor tails (fp32)", 0, sum((r - 1 + b) * 2 * d * 4 for _, r in sources if r > 1)),
+            CacheKind("compressor tails (fp32)", 0, sum((r + b) * 2 * d * 4 for _, r in sources if r > 1)),
             CacheKind("Engram lookback", 0, (cfg.engram_max_ngram_size - 1) * 8 if cfg.engram_layer_ids else 0),
             CacheKind("DSpark context", 0, cfg.num_nextn_predict_layers * (w + b) * d * e),
         )

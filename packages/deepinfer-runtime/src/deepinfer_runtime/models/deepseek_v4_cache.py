@@ -39,6 +39,11 @@ class CompressorPlan:
         """ratio - 1 rows of the incomplete group, ratio more with overlap (the previous window), B for rollback."""
         return self.ratio - 1 + (self.ratio if self.prev_width else 0) + backtrack
 
+    def capacity(self, backtrack: int) -> int:
+        """Rows of its rings: ``ring_rows`` and the newest row, so that a planned decode step reads the whole group
+        in place after writing its row (``decode_batch.ring_ids``)."""
+        return self.ring_rows(backtrack) + 1
+
 
 def v4_compressors(cfg: DeepseekV4Config) -> dict[tuple[str, int], CompressorPlan]:
     """("comp" | "idx", layer) -> plan, for every compressor of the backbone (HCA, CSA and its indexer)."""
@@ -59,18 +64,18 @@ def v4_compressors(cfg: DeepseekV4Config) -> dict[tuple[str, int], CompressorPla
 def v4_slot_specs(
     cfg: DeepseekV4Config, dtype: torch.dtype, backtrack: int = 0, mtp: bool = False, dspark: bool = False
 ) -> list[SlotSpec]:
-    """The fixed buffers of one request: per layer the window ring [W - 1 + B, head_dim] in ``dtype``; per
-    compressor the projection rings (kv, score) [``ring_rows``, C'] fp32; with ``mtp`` the MTP layer's window ring
+    """The fixed buffers of one request: per layer the window ring [W + B, head_dim] in ``dtype``; per
+    compressor the projection rings (kv, score) [``capacity``, C'] fp32; with ``mtp`` the MTP layer's window ring
     and the ring of backbone streams it drafts from [W + B, hc_mult * hidden] (``deepseek_v4_mtp``); with
     ``dspark`` one context ring [W + B, head_dim] per DSpark stage (its keys of the target rows)."""
     specs = [
-        SlotSpec(("window", i), "window latents", cfg.sliding_window - 1 + backtrack, cfg.head_dim, dtype)
+        SlotSpec(("window", i), "window latents", cfg.sliding_window + backtrack, cfg.head_dim, dtype)
         for i in range(cfg.num_hidden_layers)
     ]
     for key, plan in v4_compressors(cfg).items():
         for part in ("kv", "score"):
             specs.append(
-                SlotSpec((*key, part), "compressor state (fp32)", plan.ring_rows(backtrack), plan.width, torch.float32)
+                SlotSpec((*key, part), "compressor state (fp32)", plan.capacity(backtrack), plan.width, torch.float32)
             )
     if mtp:
         w, b = cfg.sliding_window, backtrack
@@ -89,8 +94,8 @@ class CompressorState:
     """A compressor's carried state for one request.
 
     kv / score: rings of the projected rows [R, C'] fp32 (score with the position bias) by position, R =
-    ``plan.ring_rows(B)``: the incomplete group (positions num_entries * ratio ..), with overlap the previous
-    window too (whose A-halves [:, :prev_width] the next group reads), and B rows for rollback.
+    ``plan.capacity(B)``: the incomplete group (positions num_entries * ratio ..), with overlap the previous
+    window too (whose A-halves [:, :prev_width] the next group reads), the newest row and B rows for rollback.
     entries: [N, C] compressed entries emitted so far (post-norm, post-RoPE), a row store made by
     ``new_rows(key, ratio)`` on first use.
     """
@@ -148,7 +153,7 @@ class CompressorState:
 
 @dataclass
 class LayerCache:
-    """window: ring [W - 1 + B, D] of the newest post-RoPE latents; compressor / indexer: None on layers
+    """window: ring [W + B, D] of the newest post-RoPE latents; compressor / indexer: None on layers
     without them."""
 
     window: Ring

@@ -252,6 +252,7 @@ def build_random_model(
     seed: int = 0,
     experts: str = "distinct",
     quant: str = "none",
+    engram_host: bool = False,
     **model_kw: Any,
 ) -> nn.Module:
     """The model of ``cfg`` on ``device`` with random weights.
@@ -260,7 +261,8 @@ def build_random_model(
     bf16 experts of every layer at once), then each MoE gets its full-size router and experts:
     ``experts="distinct"`` one random stack per layer, ``"shared"`` one stack used by every layer (the
     bytes a step reads from memory are the same; only the footprint shrinks). V4.1: the Engram tables are
-    random FP8 rows with UE8M0 scales and the token map a random compression; V4: random hash tables.
+    random FP8 rows with UE8M0 scales (``engram_host``: in pinned host memory, where the loader puts them on a
+    GPU) and the token map a random compression; V4: random hash tables.
 
     ``quant="fp8+fp4"`` keeps the weights in the released formats inside the model (``quantize_weights_``):
     each layer's experts become MXFP4 as soon as they are made (so a V4.1 slice with distinct experts fits),
@@ -322,6 +324,8 @@ def build_random_model(
                 rows = torch.randn(n_rows, cfg.engram_head_dim, generator=gen, device=device).to(torch.float8_e4m3fn)
                 scale = torch.full((n_rows, cfg.engram_head_dim // 32), 127, dtype=torch.uint8, device=device)
                 scale = scale.view(torch.float8_e8m0fnu)
+                if engram_host and torch.device(device).type == "cuda":  # where the loader puts them on a GPU
+                    rows, scale = rows.cpu().pin_memory(), scale.cpu().pin_memory()
                 m.set_table(rows, scale)
         model.engram_token_map.copy_(
             torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=gen, device=device)

@@ -19,6 +19,7 @@ Per forward (chunked prefill and decode alike; ``history`` is carried per sequen
 
 import torch
 
+from deepinfer_kernels import registry
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -29,6 +30,8 @@ __all__ = [
     "compressed_token_map",
     "engram_compress_ids",
     "engram_gate_inject",
+    "engram_gather_rows",
+    "engram_rows_in_place",
     "engram_hash_ids",
     "engram_multipliers",
     "engram_next_history",
@@ -163,3 +166,49 @@ def engram_gate_inject(
     if image_mask is not None and image_mask.shape != x.shape[:-2]:
         raise ValueError(f"engram_gate_inject: image_mask {tuple(image_mask.shape)} must be [T] = {x.shape[:-2]}")
     return dispatch("engram_gate_inject", x.device, x, key, value, w, image_mask, eps)
+
+
+def engram_gather_rows(
+    rows: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The table rows of ``ids``, dequantised: out[t, c * Dh : (c + 1) * Dh] = rows[ids[t, c]] (times its scales).
+
+    The table stays in its stored format wherever it lives: on the device, or in host memory (a 100 GB table);
+    only the gathered rows travel. A pinned host table is read in place by the device where a backend can
+    (``engram_rows_in_place``), else through the host (which waits for the device).
+
+    Args:
+        rows: [R, Dh] float8_e4m3fn (with ``scale``) or a float dtype (``scale`` None).
+        scale: [R, Dh / 32] UE8M0 (float8_e8m0fnu or uint8 bytes) per-32 scales, or None.
+        ids: int64 [T, C] row ids in [0, R), on the compute device.
+        out_dtype: the dtype of the result (dequantised in fp32, then cast).
+
+    Returns:
+        [T, C * Dh] ``out_dtype`` on ids' device; bitwise the same on every backend (exact gather and power-of-two
+        scaling, one rounding to ``out_dtype``) except where a product is an fp32 subnormal (scale byte 0).
+    """
+    if rows.dim() != 2 or ids.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(
+            f"engram_gather_rows: need rows [R, Dh] and int64 ids [T, C]; got {tuple(rows.shape)}, "
+            f"{tuple(ids.shape)} {ids.dtype}"
+        )
+    if scale is not None and (scale.shape[0] != rows.shape[0] or scale.shape[1] * 32 != rows.shape[1]):
+        raise ValueError(f"engram_gather_rows: scale {tuple(scale.shape)} does not match rows {tuple(rows.shape)}")
+    return dispatch("engram_gather_rows", ids.device, rows, scale, ids, out_dtype)
+
+
+def engram_rows_in_place(rows: torch.Tensor, device: torch.device | str) -> bool:
+    """True when ``engram_gather_rows`` on ``device`` reads ``rows`` without the host (no wait for the device, so
+    a step can be captured in a CUDA graph): a table on that device, or a pinned host table and a backend that
+    reads host memory in place."""
+    device = torch.device(device)
+    if rows.device.type == device.type:
+        return True
+    fn = registry.resolve("engram_gather_rows", device)  # (``reference`` here is the submodule)
+    return rows.is_pinned() and getattr(fn, "reads_pinned_host", False)
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass

@@ -6,6 +6,7 @@ import torch
 
 from deepinfer_kernels.ops._elementwise import sigmoid
 from deepinfer_kernels.ops._reduce import row_mean, row_sum
+from deepinfer_kernels.ops.quant.formats import ue8m0_bytes_to_float
 from deepinfer_kernels.registry import register_reference
 
 from .vocab import DEAD
@@ -66,3 +67,17 @@ def engram_gate_inject_ref(
     if image_mask is not None:
         gate = gate.masked_fill(image_mask.to(torch.bool).unsqueeze(-1), 0.0)
     return (xf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+
+
+@register_reference("engram_gather_rows")
+def engram_gather_rows_ref(
+    rows: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Gather where the table lives (ids go there: a host table waits for the device), dequantise in fp32."""
+    flat = ids.reshape(-1).to(rows.device)
+    got = rows[flat].float()
+    if scale is not None:
+        s = scale[flat]
+        s = ue8m0_bytes_to_float(s) if s.dtype in (torch.float8_e8m0fnu, torch.uint8) else s.float()
+        got = got * s.repeat_interleave(rows.shape[1] // s.shape[1], dim=1)
+    return got.to(device=ids.device, dtype=out_dtype).view(ids.shape[0], -1)

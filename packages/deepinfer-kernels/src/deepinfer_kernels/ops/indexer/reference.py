@@ -52,6 +52,14 @@ def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     return out
 
 
+@register_reference("indexer_scores_paged")
+def indexer_scores_paged_ref(
+    q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, weights: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    keys = pool[tables].view(tables.shape[0], -1, pool.shape[-1])
+    return indexer_scores_ref(q, keys, weights, softmax_scale)
+
+
 @register_reference("indexer_topk")
 def indexer_topk_ref(
     scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""Triton lightning-indexer scores (CUDA backend ``triton`` of ``indexer_scores``).
+"""Triton lightning indexer (``triton`` backends of ``indexer_scores``, ``indexer_scores_paged``, ``indexer_topk``).
 
 I[b, s, n] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, n]) * softmax_scale (contract in ``__init__.py``).
 
@@ -9,6 +9,12 @@ weights in the reference's order, and sums the H heads of each query with one tl
 sizes are constants, so a score's bits depend only on its query and key, not on S or N: the backend
 is batch-invariant (and invariant in N, which grows during decode). H and Dh must be powers of two
 (V4: 64 x 128, V4.1: 32 x 128); other shapes fall back to the reference.
+
+``indexer_scores_paged`` is the same kernel reading each key row through the request's block table (the tile
+arithmetic is unchanged: bitwise the dense op over the gathered keys). ``indexer_topk`` on CUDA is the radix
+select of ``topk_select`` (one program per query row, no sort: its output is ascending by construction), with the
+mask written into the scores as -inf. Its tie rule (lower index wins) is one of the choices ``indexer_topk``'s
+contract leaves open; exact, hence batch-invariant.
 """
 
 import torch
@@ -18,7 +24,8 @@ import triton.language as tl
 from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
-from .reference import indexer_scores_ref
+from ..topk_select.triton import topk_select_triton
+from .reference import indexer_scores_paged_ref, indexer_scores_ref
 
 BLOCK_N = 64
 ROWS = 128  # BLOCK_S * H: stacked (query, head) rows per program
@@ -26,10 +33,10 @@ ROWS = 128  # BLOCK_S * H: stacked (query, head) rows per program
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, k_ptr, w_ptr, o_ptr, S, N, scale,
-    q_sb, q_ss, q_sh, k_sb, k_sn, w_sb, w_ss, o_sb, o_ss,
+    q_ptr, k_ptr, t_ptr, w_ptr, o_ptr, S, N, scale,
+    q_sb, q_ss, q_sh, k_sb, k_sn, t_sb, w_sb, w_ss, o_sb, o_ss,
     H: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RPB: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(2).to(tl.int64)
     s0 = tl.program_id(0) * BLOCK_S
@@ -43,7 +50,12 @@ def _indexer_scores_kernel(
                 mask=s_ok[:, None], other=0.0)  # fmt: skip
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    kt = tl.load(k_ptr + b * k_sb + n[:, None].to(tl.int64) * k_sn + d[None, :], mask=n_ok[:, None], other=0.0)
+    if RPB:  # paged: key n of request b is row n % RPB of block tables[b, n // RPB] of the pool
+        blk = tl.load(t_ptr + b * t_sb + n // RPB, mask=n_ok, other=0)
+        k_off = (blk * RPB + n % RPB).to(tl.int64) * k_sn
+    else:
+        k_off = b * k_sb + n.to(tl.int64) * k_sn
+    kt = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
     if UPCAST:  # interpreter only: its bf16 dot is wrong; fp32 dots of bf16 values are exact products
         logits = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
     else:
@@ -60,36 +72,77 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def indexer_scores_triton(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float
-) -> torch.Tensor:
+def _launch(q, k, tables, rpb: int, weights, softmax_scale: float, n: int) -> torch.Tensor:
+    """Both ops' launch: k [B, N, Dh] (``tables`` None, ``rpb`` 0) or a pool [blocks, rpb, Dh] read through
+    ``tables`` [B, nblk] (N = nblk * rpb)."""
     b, s, h, dh = q.shape
-    n = k.shape[1]
-    if not (_pow2(h) and _pow2(dh) and dh >= 16 and h <= ROWS):
-        return indexer_scores_ref(q, k, weights, softmax_scale)
-    require_same_device(q, k, weights)
+    require_same_device(q, k, weights, *([tables] if tables is not None else []))
     out = torch.empty(b, s, n, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     if q.dtype != k.dtype:  # one dot dtype: the wider of the two (fp32 upcasts are exact)
         q, k = q.float(), k.float()
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
+    k = k if k.stride(-1) == 1 and (tables is None or k.stride(0) == rpb * k.stride(1)) else k.contiguous()
     weights = weights.contiguous()
+    t = tables.contiguous() if tables is not None else weights  # dummy pointer when dense
+    k_sb, k_sn = (0, k.stride(1)) if tables is not None else (k.stride(0), k.stride(1))
     block_s = max(1, ROWS // h)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (triton.cdiv(s, block_s), triton.cdiv(n, BLOCK_N), b)
     _indexer_scores_kernel[grid](
-        q, k, weights, out, s, n, float(softmax_scale),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), weights.stride(0), weights.stride(1),
+        q, k, t, weights, out, s, n, float(softmax_scale),
+        q.stride(0), q.stride(1), q.stride(2), k_sb, k_sn, t.stride(0), weights.stride(0), weights.stride(1),
         out.stride(0), out.stride(1),
         H=h, DH=dh, BLOCK_S=block_s, BLOCK_N=BLOCK_N, DOT_PREC=prec,
-        UPCAST=interpreting() and prec != "ieee", num_warps=8 if q.dtype == torch.float32 else 4,
+        UPCAST=interpreting() and prec != "ieee", RPB=rpb, num_warps=8 if q.dtype == torch.float32 else 4,
     )  # fmt: skip
     return out
 
 
+def _supported(q: torch.Tensor) -> bool:
+    h, dh = q.shape[2], q.shape[3]
+    return _pow2(h) and _pow2(dh) and dh >= 16 and h <= ROWS
+
+
+def indexer_scores_triton(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    if not _supported(q):
+        return indexer_scores_ref(q, k, weights, softmax_scale)
+    return _launch(q, k, None, 0, weights, softmax_scale, k.shape[1])
+
+
+def indexer_scores_paged_triton(
+    q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, weights: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    if not _supported(q):
+        return indexer_scores_paged_ref(q, pool, tables, weights, softmax_scale)
+    rpb = pool.shape[1]
+    return _launch(q, pool, tables, rpb, weights, softmax_scale, tables.shape[1] * rpb)
+
+
 register_backend(
     "indexer_scores", "triton", indexer_scores_triton, devices=("cuda",), priority=20,
+    available=triton_cuda_available, batch_invariant=True,
+)  # fmt: skip
+register_backend(
+    "indexer_scores_paged", "triton", indexer_scores_paged_triton, devices=("cuda",), priority=20,
+    available=triton_cuda_available, batch_invariant=True,
+)  # fmt: skip
+
+
+def indexer_topk_triton(
+    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    b, s, n = scores.shape
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    picks = topk_select_triton(scores.reshape(b * s, n), top_k, visible.reshape(b * s).to(torch.int64))
+    return picks.view(b, s, -1)
+
+
+register_backend(
+    "indexer_topk", "triton", indexer_topk_triton, devices=("cuda",), priority=20,
     available=triton_cuda_available, batch_invariant=True,
 )  # fmt: skip

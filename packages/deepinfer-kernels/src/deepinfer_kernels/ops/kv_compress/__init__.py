@@ -28,6 +28,48 @@ def kv_compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return dispatch("kv_compress_pool", kv.device, kv, score)
 
 
+def kv_compress_pool_rows(
+    kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, lead: int, width: int
+) -> torch.Tensor:
+    """``kv_compress_pool`` of groups gathered from row tables (a decode step's compressor rings, read in place).
+
+    Group b's slot l is row ``rows[b, l]`` of ``kv`` / ``score``: channels [0, width) of it for the ``lead``
+    leading slots, channels [Ck - width, Ck) for the others (CSA's overlapping windows: the previous window's
+    A-halves, then this window's B-halves; with Ck == width every slot reads the whole row). A slot with row -1 is
+    empty (weight 0); a group whose slots are all empty gives NaN (as an all -inf softmax does), unread.
+
+    Args:
+        kv: [N, Ck] row table (fp32 in the models), row-contiguous.
+        score: [N, Ck] gate logits of the same rows, same dtype.
+        rows: [B, L] int64 row ids into the tables, -1 = empty slot.
+        lead: number of leading slots reading channels [0, width).
+        width: C, the pooled width (Ck or Ck / 2).
+
+    Returns:
+        [B, C] in kv.dtype: bitwise ``kv_compress_pool`` of the gathered [B, L, C] groups on every backend that
+        serves both (the reference gathers and calls the reference; the Triton kernel shares its reduction).
+    """
+    if kv.shape != score.shape or kv.dim() != 2 or rows.dim() != 2:
+        raise ValueError(
+            f"kv_compress_pool_rows: kv {tuple(kv.shape)} and score {tuple(score.shape)} must be equal [N, Ck] "
+            f"tables and rows [B, L] (got {tuple(rows.shape)})"
+        )
+    if not 0 < width <= kv.shape[1] or not 0 <= lead <= rows.shape[1]:
+        raise ValueError(
+            f"kv_compress_pool_rows: width {width} / lead {lead} outside the tables' {kv.shape[1]} "
+            f"channels / the groups' {rows.shape[1]} slots"
+        )
+    if rows.dtype != torch.int64:
+        raise ValueError(f"kv_compress_pool_rows: rows must be int64, got {rows.dtype}")
+    return dispatch("kv_compress_pool_rows", kv.device, kv, score, rows, int(lead), int(width))
+
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
+
+
 def overlap_windows(
     kv: torch.Tensor,
     score: torch.Tensor,

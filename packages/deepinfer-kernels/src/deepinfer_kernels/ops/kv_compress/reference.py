@@ -9,3 +9,20 @@ from deepinfer_kernels.registry import register_reference
 def kv_compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     weights = torch.softmax(score.float(), dim=-2)
     return (kv.float() * weights).sum(dim=-2).to(kv.dtype)
+
+
+@register_reference("kv_compress_pool_rows")
+def kv_compress_pool_rows_ref(
+    kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, lead: int, width: int
+) -> torch.Tensor:
+    """Gather each group's slots ([B, L, C]; empty slots kv 0, score -inf) and pool them (``kv_compress_pool_ref``)."""
+    ck = kv.shape[1]
+    held = (rows >= 0)[..., None]
+    safe = rows.clamp(min=0)
+
+    def gather(t: torch.Tensor, empty: float) -> torch.Tensor:
+        g = t[safe]  # [B, L, Ck]
+        g = torch.cat([g[:, :lead, :width], g[:, lead:, ck - width :]], dim=1)
+        return torch.where(held, g, torch.full((), empty, dtype=t.dtype, device=t.device))
+
+    return kv_compress_pool_ref(gather(kv, 0.0), gather(score, float("-inf")))
