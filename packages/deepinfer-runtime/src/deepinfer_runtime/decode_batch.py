@@ -91,8 +91,7 @@ class DecodeBatch:
         after the write: ``ring_ids``): record from which position each request's rings hold them, then advance the
         bounds. A ring holds [lo, end); one whose end is not p restarts at p (``Ring.write``), so it holds nothing
         before."""
-        first = next(iter(rings.values()))
-        firsts = [max(r.lo, p - back) if r.end == p else p for r, p in zip(first, self.starts)]
+        firsts = Ring.first_held(next(iter(rings.values())), self.starts, back)
         for group in rings.values():
             Ring.advance_each(group, self.starts)
         self.back.update(dict.fromkeys(rings, back))
@@ -175,10 +174,12 @@ class DecodeBatch:
         buf[self["slots"], pos % buf.shape[1]] = rows.to(buf.dtype)
         return buf.view(-1, buf.shape[-1])
 
-    def ring_ids(self, key: object, n: int) -> torch.Tensor:
+    def ring_ids(self, key: object, n: int, every: int = 1) -> torch.Tensor:
         """[rows, n]: the rows of ring buffer ``key``'s table (``write``) holding each request's positions
-        p - n + 1 .. p after this step's write, -1 for a position the ring does not hold. The ring must keep n
-        rows (so the write did not overwrite the oldest) and the plan must look ``n - 1`` rows back."""
+        p - n + 1 .. p after this step's write, -1 for a position the ring does not hold. With ``every`` only the
+        requests whose p + 1 is a multiple of it get rows (a compressor's group completes there), the others -1.
+        The ring must keep n rows (so the write did not overwrite the oldest) and the plan must look ``n - 1`` rows
+        back."""
         pos, cap = self["pos"], self.buffers[key].shape[1]
         if cap < n or self.back[key] < n - 1:
             raise RuntimeError(
@@ -187,7 +188,10 @@ class DecodeBatch:
             )
         key_pos = pos[:, None] + torch.arange(1 - n, 1, device=pos.device)
         ids = self["slots"][:, None] * cap + key_pos.clamp(min=0) % cap
-        return torch.where(key_pos >= self[("first", key)][:, None], ids, -1)
+        held = key_pos >= self[("first", key)][:, None]
+        if every > 1:
+            held = held & ((pos + 1) % every == 0)[:, None]
+        return torch.where(held, ids, -1)
 
     def window(self, key: object, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key`` (planned with

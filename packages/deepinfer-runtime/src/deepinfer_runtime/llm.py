@@ -73,7 +73,8 @@ class LLM:
         block_size: tokens per KV block; a multiple of every compression ratio (default: the smallest
             such multiple of 16, e.g. 128 for the released V4 / V4.1 schedules).
         yoco_mode / yoco_keep_tokens / fake_quant / engram_device: V4.1 model options (see ``load_model``;
-            ``engram_device="cuda"`` keeps the Engram tables in device memory, which whole-step CUDA graphs need).
+            ``engram_device="cuda"`` keeps the Engram tables in device memory; the default on a GPU, pinned host
+            memory, is read in place by the device, so decode steps are captured in CUDA graphs either way).
         batch_invariant: a request's logits are bitwise the same whatever else is in the batch and however
             its prompt is chunked (None: ``DEEPINFER_BATCH_INVARIANT``). Only row-invariant backends serve
             this mode; the CPU references always are, so on the CPU it costs nothing.

@@ -68,24 +68,25 @@ class Ring:
     def advance(self, start: int, k: int) -> None:
         """The bounds after writing ``k`` rows at ``start`` (``write`` without the rows: a caller that stores
         them itself, batched over requests)."""
-        if start < self.end:
-            raise RuntimeError(f"ring write at position {start} behind its end {self.end} (roll back first)")
-        if start > self.end:
-            self.lo = start
-        self.end = start + k
-        self.lo = max(self.lo, self.end - self.capacity)
+        Ring.advance_each([self], [start], k)
 
     @staticmethod
-    def advance_each(rings: list[Ring], starts: list[int]) -> None:
-        """``ring.advance(p, 1)`` for each ring and its position p, rings of one buffer (one capacity): the bounds
-        after a decode step, in one loop (a step plans thousands of them)."""
+    def advance_each(rings: list[Ring], starts: list[int], k: int = 1) -> None:
+        """``ring.advance(p, k)`` for each ring and its position p, rings of one buffer (one capacity), in one loop
+        (a decode step plans thousands of them). A start past ``end`` restarts the ring there."""
         cap = rings[0].capacity if rings else 0
         for r, p in zip(rings, starts):
             if p < r.end:
                 raise RuntimeError(f"ring write at position {p} behind its end {r.end} (roll back first)")
             lo = r.lo if p == r.end else p
-            r.end = p + 1
-            r.lo = lo if lo > p + 1 - cap else p + 1 - cap
+            r.end = p + k
+            r.lo = lo if lo > p + k - cap else p + k - cap
+
+    @staticmethod
+    def first_held(rings: list[Ring], starts: list[int], back: int) -> list[int]:
+        """For a write at each ring's position p: the first of the ``back`` positions before p that the ring still
+        holds (p itself when it holds none: a ring whose end is not p restarts there)."""
+        return [max(r.lo, p - back) if r.end == p else p for r, p in zip(rings, starts)]
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         """Rows of positions lo .. hi - 1 in position order [hi - lo, width] (a gathered copy)."""
@@ -208,7 +209,7 @@ def append_window(ring: Ring, kv: torch.Tensor, window: int, start: int) -> tupl
     """Sliding-window append shared by the models: window latents kv [S, D] of positions start .. start + S - 1
     go into ``ring``; returns the rows their queries attend over, [held rows of the W - 1 positions before start
     | kv], and the position of row 0."""
-    first = max(ring.lo, start - (window - 1)) if ring.end == start else start
+    first = Ring.first_held([ring], [start], window - 1)[0]
     rows = torch.cat([ring.read(first, start), kv]) if first < start else kv
     ring.write(start, kv)  # after the read: a long chunk overwrites the rows it attends to
     return rows, first

@@ -120,8 +120,7 @@ class Compressor(nn.Module):
         score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
         kv_table, score_table = batch.write((*key, "kv"), kv), batch.write((*key, "score"), score)
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
-        rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r)
-        rows = torch.where(((pos + 1) % r == 0)[:, None], rows, -1)
+        rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
         batch.append(key, rope_interleaved(self.norm(pooled.to(x.dtype)), pos + 1 - r, inv_freq))
 

@@ -548,7 +548,7 @@ class Attention(nn.Module):
             latent, group_pos = kv, pos
         else:
             kv_table, score_table = batch.write(("kv", self.layer), kv), batch.write(("score", self.layer), score)
-            rows = torch.where(((pos + 1) % r == 0)[:, None], batch.ring_ids(("kv", self.layer), r), -1)
+            rows = batch.ring_ids(("kv", self.layer), r, every=r)
             latent, group_pos = self.compressor.pool_rows(kv_table, score_table, rows, x.dtype), pos + 1 - r
         entry, key = self.publish(latent, group_pos)
         batch.append(("kv", self.layer), entry)

@@ -204,7 +204,8 @@ def engram_rows_in_place(rows: torch.Tensor, device: torch.device | str) -> bool
     device = torch.device(device)
     if rows.device.type == device.type:
         return True
-    fn = registry.resolve("engram_gather_rows", device)  # (``reference`` here is the submodule)
+    # ``registry.resolve``: in this package the name ``reference`` is the reference submodule
+    fn = registry.resolve("engram_gather_rows", device)
     return rows.is_pinned() and getattr(fn, "reads_pinned_host", False)
 
 
