@@ -138,9 +138,10 @@ GATHER_SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_N_SWIGLU, BLOCK_K, num_warps, num_s
     (64, 64, 64, 64, 4, 4),
 ]
 GROUPED_SWEEP = [  # the wide contiguous tiling (4096 tokens)
+    (128, 256, 128, 64, 8, 4),
     (128, 256, 128, 64, 8, 3),
-    (128, 128, 128, 64, 8, 3),
-    (128, 256, 64, 64, 8, 3),
+    (128, 128, 128, 64, 8, 4),
+    (128, 256, 64, 64, 8, 4),
     (256, 128, 64, 64, 8, 3),
 ]
 

@@ -82,14 +82,19 @@ def main() -> None:
 
 
 def sweep(rec: Recorder, copy_gbs: float, mm_tflops: float) -> None:
-    """Tile configs of ``launch`` at decode batch 64 (split and single pass) and prefill 8K."""
+    """Tile configs of ``launch`` at decode batch 64 and 256 (split and single pass) and prefill 8K."""
     scale = D**-0.5
-    cases = [("decode64", make(64, 32768)), ("prefill8k", make(1, 8192, queries_per_request=8192))]
+    cases = [
+        ("decode64", make(64, 32768)),
+        ("decode256", make(256, 32768)),
+        ("prefill8k", make(1, 8192, queries_per_request=8192)),
+    ]
     for label, (q, kv, idx, sinks) in cases:
         t = q.shape[0]
         for split in (None, 128, 256):
             for block_h, block_n, warps, stages in [
-                (16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2),
+                (16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 2),
+                (64, 16, 8, 2), (64, 64, 16, 2),
             ]:  # fmt: skip
                 if split is not None and split % block_n:
                     continue

@@ -178,7 +178,7 @@ def test_plan_then_device_work():
     kv_pools.pools["k"].data.copy_(torch.arange(48.0).view(8, 2, 3))
     batch = DecodeBatch([6, 7, 0], [s.slot for s in slots], pool, graphs=_Bucketed())  # rows padded to 4
     batch.plan_ring({"r": rings}, 3)
-    batch.plan_append("k", stores, 2, 3, torch.float32)
+    batch.plan_append({"k": stores}, 2, {"k": 3}, torch.float32)
     batch.plan_tables([s.table for s in stores], 4, bucket=False)
     batch.seal(torch.device("cpu"))
     assert [(r.lo, r.end) for r in rings] == [(3, 7), (7, 8), (0, 1)]
@@ -205,6 +205,56 @@ def test_plan_then_device_work():
     batch2 = DecodeBatch([9], [slots[0].slot], pool)
     with pytest.raises(RuntimeError, match="needs block 2"):
         stores[0].resume(4)
-        batch2.plan_append("k", stores[:1], 2, 3, torch.float32)
+        batch2.plan_append({"k": stores[:1]}, 2, {"k": 3}, torch.float32)
     with pytest.raises(RuntimeError):
         Ring(torch.zeros(2, 1)).advance(-1, 1)
+
+
+def test_plan_groups_rings_and_appends_that_move_together():
+    """Keys planned in one call share one field where their rings (their stores) hold the same positions (entries),
+    and get exactly what planning each key alone gives; a key whose rings or stores differ is planned on its own,
+    also exactly as alone."""
+    specs = [SlotSpec(k, "x", 6, 1, torch.float32) for k in "abc"] + [SlotSpec("d", "x", 9, 1, torch.float32)]
+
+    starts = [9, 9, 8]  # requests 0 and 1 complete a ratio-2 group, request 2 does not
+
+    def setup():
+        pool = SlotPool(specs, 3, 0, "cpu")
+        slots = [pool.claim() for _ in range(3)]
+        for s, p in zip(slots, starts):  # a, b and d hold positions up to p - 1 (a, b the last 6); c restarted
+            for k in "abd":
+                s[k].write(0, torch.zeros(p, 1))
+            s["c"].write(0, torch.zeros(3, 1))
+            s["c"].advance(p - 1, 1)
+        kv_pools = KVPools(8, 4, "cpu")
+        tables = [[3, 0, 4], [5, 6, 2], [1, 7, 0]]
+        stores = {k: [PagedRows(kv_pools, k, 2, t) for t in tables] for k in ("x", "y", "z")}
+        for k, lengths in (("x", (3, 4, 1)), ("y", (3, 4, 1)), ("z", (2, 4, 1))):  # z differs for request 0
+            for s, n in zip(stores[k], lengths):
+                s.pool = kv_pools.get(k, 2, 1, torch.float32)
+                s.resume(n)
+        return pool, slots, stores
+
+    pool, slots, stores = setup()
+    batch = DecodeBatch(starts, [s.slot for s in slots], pool)
+    batch.plan_ring({k: [s[k] for s in slots] for k in "abcd"}, 3)
+    batch.plan_append(stores, 2, dict.fromkeys(stores, 1), torch.float32)
+    batch.seal(torch.device("cpu"))
+    assert batch.layout[("first", "a")] == batch.layout[("first", "b")]  # one field
+    assert len({batch.layout[("first", k)] for k in "acd"}) == 3  # c (other bounds), d (other capacity): alone
+    assert batch.layout[("emit", "x")] == batch.layout[("emit", "y")] != batch.layout[("emit", "z")]
+
+    alone_pool, alone_slots, alone_stores = setup()
+    for k in "abcd":
+        one = DecodeBatch(starts, [s.slot for s in alone_slots], alone_pool)
+        one.plan_ring({k: [s[k] for s in alone_slots]}, 3)
+        one.seal(torch.device("cpu"))
+        assert torch.equal(batch[("first", k)], one[("first", k)]), k
+        assert [(s[k].lo, s[k].end) for s in slots] == [(s[k].lo, s[k].end) for s in alone_slots], k
+    for k in stores:
+        one = DecodeBatch(starts, [s.slot for s in alone_slots], alone_pool)
+        one.plan_append({k: alone_stores[k]}, 2, {k: 1}, torch.float32)
+        one.seal(torch.device("cpu"))
+        assert torch.equal(batch[("emit", k)], one[("emit", k)]), k
+        assert [len(s) for s in stores[k]] == [len(s) for s in alone_stores[k]], k
+        assert all(s.pool is batch.kv[k] for s in stores[k][:2])

@@ -11,11 +11,13 @@ A ``DecodeBatch`` splits the step in two:
 * the plan (host, ``plan_*``): for each ring and row store the model names, it reads each request's bounds and
   lengths, advances them as the step will, and records what the device needs (positions, slots, how far back
   each ring holds, the row each newly completed entry goes to, block tables) in one int64 list, sent to the
-  device in one copy (``seal``);
+  device in one copy (``seal``). Rings and stores that move together (every layer's window, the compressors of
+  one kind) are planned once and share their fields; each further layer costs a request a check and a copy of
+  its ring bounds (``Ring.follow``);
 * the device work (``write``, ``ring_ids``, ``window``, ``append``, ``pages``, ``pool_rows``): scatters and
-  row ids whose shapes depend only on the batch rows and the table width, and which read only that tensor, so a
-  whole step can be captured in a CUDA graph once and replayed with the data of a later plan of the same
-  ``shape_key`` (``rebind``, ``run``).
+  row ids (one kernel per call: ``ring_rows`` / ``paged_rows`` of ``deepinfer_kernels``) whose shapes depend only
+  on the batch rows and the table width, and which read only that tensor, so a whole step can be captured in a
+  CUDA graph once and replayed with the data of a later plan of the same ``shape_key`` (``rebind``, ``run``).
 
 Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row.
 Nothing is gathered for attention or the compressors: a ring keeps its newest row too, so after the step's write
@@ -32,6 +34,7 @@ import copy
 import math
 
 import torch
+from deepinfer_kernels import paged_rows, ring_rows
 
 from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.host_copy import long_tensor
@@ -87,35 +90,57 @@ class DecodeBatch:
 
     def plan_ring(self, rings: dict[object, list[Ring]], back: int) -> None:
         """The step writes one row per request at its position p into the rings (per slot-pool buffer key, one
-        ring per request; every key's rings with the same bounds) and reads the ``back`` rows before it (in place,
-        after the write: ``ring_ids``): record from which position each request's rings hold them, then advance the
-        bounds. A ring holds [lo, end); one whose end is not p restarts at p (``Ring.write``), so it holds nothing
-        before."""
-        firsts = Ring.first_held(next(iter(rings.values())), self.starts, back)
-        for group in rings.values():
-            Ring.advance_each(group, self.starts)
-        self.back.update(dict.fromkeys(rings, back))
-        self.put([("first", key) for key in rings], firsts + [0] * self.pad)
+        ring per request) and reads the ``back`` rows before it (in place, after the write: ``ring_ids``): record
+        from which position each request's rings hold them, then advance the bounds. A ring holds [lo, end); one
+        whose end is not p restarts at p (``Ring.write``), so it holds nothing before.
 
-    def plan_append(self, key: object, stores: list[PagedRows], ratio: int, width: int, dtype: torch.dtype) -> None:
-        """A compressor of ``ratio`` completes an entry for the requests at positions p with (p + 1) % ratio == 0:
-        record the pool row each such entry goes to (the scratch row for the others) and count it."""
-        pool = self.kv[key] = stores[0].pools.get(key, ratio, width, dtype)
-        rpb, targets = pool.rows_per_block, []
-        for s, p in zip(stores, self.starts):
-            if (p + 1) % ratio:
-                targets.append(pool.scratch_row)
-                continue
-            n = len(s)
-            if n // rpb >= len(s.table):
-                raise RuntimeError(
-                    f"cache {key}: row {n} needs block {n // rpb} but the table holds {len(s.table)} blocks "
-                    "(the scheduler must grow the table before the step)"
-                )
-            s.pool = pool
-            s.resume(n + 1)
-            targets.append(s.table[n // rpb] * rpb + n % rpb)
-        self.put(("emit", key), targets + [pool.scratch_row] * self.pad)
+        Keys whose rings move together (every layer's window, compressors of one kind) are planned in one call:
+        the first key's rings are planned and advanced, the others take their bounds (``Ring.follow``) and share
+        the recorded field; a key whose rings hold other positions is planned on its own."""
+        (lead_key, lead), *rest = rings.items()
+        before = [(r.lo, r.end) for r in lead]
+        firsts = Ring.first_held(lead, self.starts, back)
+        Ring.advance_each(lead, self.starts)
+        after = [(r.lo, r.end) for r in lead]
+        names = [lead_key]
+        for key, group in rest:
+            if Ring.follow(group, lead, before, after):
+                names.append(key)
+            else:
+                self.plan_ring({key: group}, back)
+        self.back.update(dict.fromkeys(names, back))
+        self.put([("first", key) for key in names], firsts + [0] * self.pad)
+
+    def plan_append(
+        self, stores: dict[object, list[PagedRows]], ratio: int, widths: dict[object, int], dtype: torch.dtype
+    ) -> None:
+        """Compressors of ``ratio`` complete an entry for the requests at positions p with (p + 1) % ratio == 0:
+        per store key (``stores[key]``: one store per request, entries ``widths[key]`` wide) record the pool row
+        each such entry goes to (the scratch row for the others) and count it. A request's stores page through
+        one block table, and every pool of a ratio has the same rows per block and scratch row, so keys whose
+        stores hold as many entries (every compressor of one ratio, normally) get the same rows: one field."""
+        done = [i for i, p in enumerate(self.starts) if (p + 1) % ratio == 0]
+        kinds: dict[tuple[int, ...], list] = {}  # the completing requests' entry counts -> keys
+        for key, group in stores.items():
+            kinds.setdefault(tuple([len(group[i]) for i in done]), []).append(key)
+        for lengths, keys in kinds.items():
+            pools = [stores[k][0].pools.get(k, ratio, widths[k], dtype) for k in keys]
+            rpb, scratch = pools[0].rows_per_block, pools[0].scratch_row
+            lead, targets = stores[keys[0]], [scratch] * self.size
+            for i, n in zip(done, lengths):
+                table = lead[i].table
+                if n // rpb >= len(table):
+                    raise RuntimeError(
+                        f"cache {keys[0]}: row {n} needs block {n // rpb} but the table holds {len(table)} blocks "
+                        "(the scheduler must grow the table before the step)"
+                    )
+                targets[i] = table[n // rpb] * rpb + n % rpb
+            for key, pool in zip(keys, pools):
+                self.kv[key], group = pool, stores[key]
+                for i, n in zip(done, lengths):
+                    group[i].pool = pool
+                    group[i].resume(n + 1)
+            self.put([("emit", key) for key in keys], targets + [scratch] * self.pad)
 
     def plan_tables(self, tables: list[list[int]], block_size: int, bucket: bool) -> None:
         """Each request's block table, as far as its entries after this step reach (the widest of the batch;
@@ -175,23 +200,18 @@ class DecodeBatch:
         return buf.view(-1, buf.shape[-1])
 
     def ring_ids(self, key: object, n: int, every: int = 1) -> torch.Tensor:
-        """[rows, n]: the rows of ring buffer ``key``'s table (``write``) holding each request's positions
+        """[rows, n] int64: the rows of ring buffer ``key``'s table (``write``) holding each request's positions
         p - n + 1 .. p after this step's write, -1 for a position the ring does not hold. With ``every`` only the
         requests whose p + 1 is a multiple of it get rows (a compressor's group completes there), the others -1.
         The ring must keep n rows (so the write did not overwrite the oldest) and the plan must look ``n - 1`` rows
-        back."""
-        pos, cap = self["pos"], self.buffers[key].shape[1]
+        back. One kernel (``ring_rows``)."""
+        cap = self.buffers[key].shape[1]
         if cap < n or self.back[key] < n - 1:
             raise RuntimeError(
                 f"ring {key}: reading {n} positions in place needs {n} rows and a plan {n - 1} rows back "
                 f"(has {cap} rows, planned {self.back[key]})"
             )
-        key_pos = pos[:, None] + torch.arange(1 - n, 1, device=pos.device)
-        ids = self["slots"][:, None] * cap + key_pos.clamp(min=0) % cap
-        held = key_pos >= self[("first", key)][:, None]
-        if every > 1:
-            held = held & ((pos + 1) % every == 0)[:, None]
-        return torch.where(held, ids, -1)
+        return ring_rows(self["pos"], self["slots"], self[("first", key)], cap, n, every)
 
     def window(self, key: object, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliding-window keys: append the new latents kv [rows, D] to window ring buffer ``key`` (planned with
@@ -215,10 +235,9 @@ class DecodeBatch:
         in place, ``indexer_scores_paged``)."""
         return self.kv[key].data, self["tables"]
 
-    def pool_rows(self, key: object, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of store ``key``'s pool (``kv[key].flat``) holding each request's entries ``ids`` [rows, K]
-        (its own entry numbers through its table; -1 stays -1): what attention reads in place."""
-        rpb = self.kv[key].rows_per_block
-        safe = ids.clamp(min=0)
-        blocks = self["tables"].gather(1, safe // rpb)
-        return torch.where(ids >= 0, blocks * rpb + safe % rpb, -1)
+    def pool_rows(self, key: object, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """[rows, K] int64: rows of store ``key``'s pool (``kv[key].flat``) holding each request's entries ``ids``
+        [rows, K] int64 (its own entry numbers through its table; -1 stays -1), plus ``offset`` (the pool as the
+        second segment of an attention row table, after ``offset`` window rows): what attention reads in place.
+        One kernel (``paged_rows``)."""
+        return paged_rows(ids, self["tables"], self.kv[key].rows_per_block, offset)

@@ -83,6 +83,18 @@ class Ring:
             r.lo = lo if lo > p + k - cap else p + k - cap
 
     @staticmethod
+    def follow(rings: list[Ring], lead: list[Ring], before: list[tuple[int, int]], after: list[tuple[int, int]]):
+        """Move each ring as its lead ring moved, from (lo, end) ``before`` to ``after``, where every ring held what
+        its lead held before and has its capacity: rings that always move together (a request's windows of every
+        layer, a compressor's kv and score rings) advance once, not once per ring. Returns False, changing nothing,
+        where any ring differs."""
+        if rings and (rings[0].capacity != lead[0].capacity or [(r.lo, r.end) for r in rings] != before):
+            return False
+        for r, bounds in zip(rings, after):
+            r.lo, r.end = bounds
+        return True
+
+    @staticmethod
     def first_held(rings: list[Ring], starts: list[int], back: int) -> list[int]:
         """For a write at each ring's position p: the first of the ``back`` positions before p that the ring still
         holds (p itself when it holds none: a ring whose end is not p restarts there)."""

@@ -255,8 +255,7 @@ class Attention(nn.Module):
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < ((pos + 1) // self.compressor.ratio)[:, None], ids, -1)
-            rows = batch.pool_rows(key, picked)
-            idx = torch.cat([idx, torch.where(rows >= 0, rows + kv_all.shape[0], -1)], dim=1)
+            idx = torch.cat([idx, batch.pool_rows(key, picked, offset=kv_all.shape[0])], dim=1)
             kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)
@@ -588,25 +587,34 @@ class DeepseekV4ForCausalLM(nn.Module):
         if any(c.slots.pool is not pool for c in caches):
             return None
         plans = v4_compressors(self.cfg)
-        states = {
-            key: [getattr(c.layers[key[1]], "compressor" if key[0] == "comp" else "indexer") for c in caches]
-            for key in plans
-        }
-        kv_pools = paged_stores([s.store() for group in states.values() for s in group])
+        # each request's rings and compressor states in a fixed order, transposed across the batch (in C: a step
+        # at batch 256 reads ~40K of them)
+        windows, states, kvs, scores = (list(zip(*part)) for part in zip(*(c.step_parts for c in caches)))
+        if [s.key for s in caches[0].step_parts[1]] != list(plans):
+            raise RuntimeError("cache compressors do not follow the model's v4_compressors order")
+        # a request's stores all come from its cache's one row factory: its first one says whether all are paged
+        first_stores = [s.store() for s in states[0]] if plans else []
+        kv_pools = paged_stores(first_stores)
         if plans and kv_pools is None:
             return None
         dev = self.embed.weight.device
         batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, self.step_graphs)
-        for i in range(self.cfg.num_hidden_layers):
-            batch.plan_ring({("window", i): [c.layers[i].window for c in caches]}, self.cfg.sliding_window - 1)
-        for key, plan in plans.items():
-            group = states[key]
-            back = plan.ring_rows(0)  # the group's other rows and, with overlap, the previous window
-            batch.plan_ring({(*key, "kv"): [s.kv for s in group], (*key, "score"): [s.score for s in group]}, back)
-            batch.plan_append(key, [s.store() for s in group], plan.ratio, plan.width - plan.prev_width, self.dtype)
+        batch.plan_ring({("window", i): w for i, w in enumerate(windows)}, self.cfg.sliding_window - 1)
+        kinds: dict[tuple[int, int], dict] = {}  # compressors of one kind (ratio, rows looked back) move together
+        for j, (key, plan) in enumerate(plans.items()):
+            rings = kinds.setdefault((plan.ratio, plan.ring_rows(0)), {})
+            rings[(*key, "kv")], rings[(*key, "score")] = kvs[j], scores[j]
+        for (_, back), rings in kinds.items():  # back: the group's other rows and, with overlap, the previous window
+            batch.plan_ring(rings, back)
+        appends: dict[int, tuple[dict, dict]] = {}  # ratio -> (stores, entry widths) by compressor
+        for j, (key, plan) in enumerate(plans.items()):
+            stores, widths = appends.setdefault(plan.ratio, ({}, {}))
+            stores[key] = first_stores if j == 0 else [s.store() for s in states[j]]
+            widths[key] = plan.width - plan.prev_width
+        for ratio, (stores, widths) in appends.items():
+            batch.plan_append(stores, ratio, widths, self.dtype)
         if plans:
-            tables = [states[next(iter(plans))][j].store().table for j in range(len(caches))]
-            batch.plan_tables(tables, kv_pools.block_size, bucket=batch.graphs is not None)
+            batch.plan_tables([s.table for s in first_stores], kv_pools.block_size, bucket=batch.graphs is not None)
         return batch.seal(dev)
 
     def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:

@@ -426,13 +426,17 @@ class Attention(nn.Module):
         low = 0 if floor is None else floor
         return torch.where(key_pos >= max(low, first), key_pos - first, -1)
 
-    def attend(self, q, kv_rows, entries, win_ids, picked, pos) -> torch.Tensor:
-        """Softmax with sinks over [window | selected entries], inverse RoPE, grouped output -> [S, d]."""
+    def attend(self, q, kv_rows, entries, win_ids, picked, pos, shifted: bool = False) -> torch.Tensor:
+        """Softmax with sinks over [window | selected entries], inverse RoPE, grouped output -> [S, d]. ``picked``
+        [S, K] int64: rows of ``entries`` (-1: none), or with ``shifted`` already rows of the two segments' table
+        (past the kv_rows.shape[0] window rows, -1: none: ``DecodeBatch.pool_rows(offset=)``)."""
         if entries is None:
             kv_all, idx = kv_rows, win_ids
         else:  # two segments: [window rows | entries]
             kv_all = (kv_rows, entries.to(kv_rows.dtype))
-            idx = torch.cat([win_ids, torch.where(picked >= 0, picked + kv_rows.shape[0], -1)], dim=1)
+            if not shifted:
+                picked = torch.where(picked >= 0, picked + kv_rows.shape[0], -1)
+            idx = torch.cat([win_ids, picked], dim=1)
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
@@ -524,8 +528,8 @@ class Attention(nn.Module):
             picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
             shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
         key = ("kv", self.kv_source)  # the entries are read in place, from the pool
-        picked = batch.pool_rows(key, shared[("topk", self.index_source)])
-        return self.attend(q, kv_rows, batch.kv[key].flat, win_ids, picked, pos)
+        picked = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0])
+        return self.attend(q, kv_rows, batch.kv[key].flat, win_ids, picked, pos, shifted=True)
 
     def index_scores_batched(self, x, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
@@ -953,14 +957,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         in_place = all(b.engram.in_place(dev) for b in self.layers if hasattr(b, "engram"))
         graphs = self.step_graphs if in_place else None
         batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, graphs)
-        for i in range(cfg.num_hidden_layers):
-            batch.plan_ring({("window", i): [c.windows[i] for c in caches]}, cfg.sliding_window - 1)
+        windows = {("window", i): [c.windows[i] for c in caches] for i in range(cfg.num_hidden_layers)}
+        batch.plan_ring(windows, cfg.sliding_window - 1)  # compact YOCO layers whose windows differ: on their own
+        rings: dict[int, dict] = {}  # compressors of one ratio move together
         for src, r in ratios.items():
-            group = sources[src]
             if r > 1:
-                batch.plan_ring({("kv", src): [s.kv for s in group], ("score", src): [s.score for s in group]}, r - 1)
-            batch.plan_append(("kv", src), [s.entries for s in group], r, cfg.head_dim, self.dtype)
-            batch.plan_append(("idx", src), [s.keys for s in group], r, cfg.index_head_dim, self.dtype)
+                group, states = rings.setdefault(r, {}), sources[src]
+                group[("kv", src)], group[("score", src)] = [s.kv for s in states], [s.score for s in states]
+        for r, group in rings.items():
+            batch.plan_ring(group, r - 1)
+        appends: dict[int, tuple[dict, dict]] = {}  # ratio -> (stores, entry widths) by source and kind
+        for src, r in ratios.items():
+            stores, widths = appends.setdefault(r, ({}, {}))
+            stores[("kv", src)], widths[("kv", src)] = [s.entries for s in sources[src]], cfg.head_dim
+            stores[("idx", src)], widths[("idx", src)] = [s.keys for s in sources[src]], cfg.index_head_dim
+        for r, (stores, widths) in appends.items():
+            batch.plan_append(stores, r, widths, self.dtype)
         for k in range(len(self.mtp)):
             batch.plan_ring({("dspark", k): [c.dspark_ctx[k] for c in caches]}, 0)
         if self.mtp:  # the step writes each request's context key at its position (``_decode_rows``)

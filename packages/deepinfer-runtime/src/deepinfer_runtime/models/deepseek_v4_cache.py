@@ -9,6 +9,7 @@ one-slot pool), as rings written in place by position; ``snapshot`` copies the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -214,6 +215,14 @@ class SequenceCache:
     def _states(self):
         for lc in self.layers:
             yield from (s for s in (lc.compressor, lc.indexer) if s is not None)
+
+    @functools.cached_property
+    def step_parts(self) -> tuple[list[Ring], list[CompressorState], list[Ring], list[Ring]]:
+        """What a planned decode step reads of this request, built once (the objects never change, only their
+        bounds): the window rings by layer, the compressor states in ``v4_compressors`` order, their kv and score
+        rings."""
+        states = list(self._states())
+        return [lc.window for lc in self.layers], states, [s.kv for s in states], [s.score for s in states]
 
     def release(self) -> None:
         """Give the slot back (the request finished or was preempted)."""

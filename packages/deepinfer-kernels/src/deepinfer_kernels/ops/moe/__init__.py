@@ -286,7 +286,8 @@ def swiglu_mlp(
 
 from . import swiglu_linear as _swiglu_linear  # noqa: F401, E402  (registers the shared expert's GPU backend)
 
-try:  # the GPU backend of the dense path registers itself when Triton imports
+try:  # the GPU backends of the dense path and the router register themselves when Triton imports
+    from . import route_triton as _route_triton  # noqa: F401
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass

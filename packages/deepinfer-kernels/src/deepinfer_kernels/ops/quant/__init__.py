@@ -24,6 +24,11 @@ from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
 
+try:  # the Triton backends (act_quant_fp8, the fake quantisers) register themselves; triton is optional
+    from . import fake_quant_triton as _fake_quant_triton  # noqa: F401
+except ImportError:
+    pass
+
 _HIGH_PRECISION = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UE8M0_OR_F32 = (torch.float8_e8m0fnu, torch.uint8, torch.float32)
 

@@ -25,6 +25,15 @@ def _exp2_int(e):
 
 
 @triton.jit
+def _pow2_exponent(amax, floor, inv_max):
+    """int32 k = ceil(log2(max(amax, floor) * inv_max)) read from the fp32 bits (the product normal), clamped to
+    [-127, 127]: the UE8M0 scale exponent of ``formats.pow2_scale_exponent`` (inv_max = fp32(1/448), fp32(1/6))."""
+    bits = (tl.maximum(amax, floor) * inv_max).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
 def _round_e4m3(y):
     """fp32 y (|y| <= 448) rounded to the nearest-even float8_e4m3fn value, still in fp32.
 
@@ -57,10 +66,7 @@ def _act_quant_fp8_kernel(
     ok = (g[:, None] < G) & (k < K)
     x = tl.load(x_ptr + row * K + k, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    t = tl.maximum(amax, 1e-4) * (1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
-    bits = t.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2 t), t normal
-    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = _pow2_exponent(amax, 1e-4, 1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
     y = x * _exp2_int(-e)[:, None]  # exact: same value as x / 2^e
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     tl.store(q_ptr + row * K + k, _round_e4m3(y).to(tl.float8e4nv), mask=ok)

@@ -1,0 +1,107 @@
+"""Cache row ids of a planned decode step: where each request's ring positions and paged entries sit.
+
+A decode step reads its caches in place (``deepinfer_runtime.decode_batch``): the sliding window and the
+compressors' groups from ring buffers held as one flat row table of num_slots x capacity rows (request b's
+position q at row ``slots[b] * capacity + q % capacity``), and the compressed entries attention selects from a
+paged pool through each request's block table (entry e at row ``tables[b, e // R] * R + e % R``). Both ops turn a
+request's positions / entry numbers into those row ids (-1: none) in one call, for the attention and pooling
+kernels that take row ids (``sparse_mqa_attention``, ``kv_compress_pool_rows``). They read only device tensors
+and sync nothing with the host, so a step using them can be captured in a CUDA graph. Results are integers: every
+backend returns exactly the reference's values.
+"""
+
+import torch
+
+from deepinfer_kernels.registry import dispatch
+
+from . import reference as _reference  # noqa: F401  (registers the references)
+
+try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass
+
+
+def _check_int(op: str, name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{op}: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def ring_rows(
+    pos: torch.Tensor, slots: torch.Tensor, first: torch.Tensor, capacity: int, n: int, every: int = 1
+) -> torch.Tensor:
+    """Rows of a flat ring table holding each request's last ``n`` positions (-1 where not held).
+
+    Request b is at position p = pos[b]; its ring is slot ``slots[b]`` of a table of num_slots x ``capacity``
+    rows, holding the positions from ``first[b]`` on. Entry j (0 <= j < n) stands for position q = p - n + 1 + j
+    (oldest first) and is
+
+        out[b, j] = slots[b] * capacity + max(q, 0) % capacity   if q >= first[b] (and, with every > 1,
+                                                                  (p + 1) % every == 0)
+                  = -1                                            otherwise.
+
+    With ``every`` only the requests whose p + 1 is a multiple of it get rows (a compressor's group of ``every``
+    rows completes there), the others a row of -1. Nothing checks that the ring keeps n rows: with n > capacity
+    entries alias (the caller, ``DecodeBatch.ring_ids``, refuses that).
+
+    Args:
+        pos: [rows] int64 positions.
+        slots: [rows] int64 ring slots (the table's row blocks).
+        first: [rows] int64, each request's oldest held position (any value; positions below it give -1).
+        capacity: int >= 1, rows per slot (the ring's R).
+        n: int >= 0, positions per request.
+        every: int >= 1.
+
+    Returns:
+        [rows, n] int64 on pos's device. See reference.py.
+    """
+    op = "ring_rows"
+    for name, t in (("pos", pos), ("slots", slots), ("first", first)):
+        if t.dim() != 1 or t.dtype != torch.int64 or t.shape != pos.shape:
+            raise ValueError(
+                f"{op}: pos, slots and first must be int64 [rows], got {name} {t.dtype}{tuple(t.shape)} "
+                f"(pos {tuple(pos.shape)})"
+            )
+        if t.device != pos.device:
+            raise ValueError(f"{op}: pos, slots and first must be on one device, got {name} on {t.device}")
+    capacity = _check_int(op, "capacity", capacity, 1)
+    n = _check_int(op, "n", n, 0)
+    every = _check_int(op, "every", every, 1)
+    return dispatch(op, pos.device, pos, slots, first, capacity, n, every)
+
+
+def paged_rows(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+    """Rows of a paged pool (blocks of ``rows_per_block`` rows, flattened) holding each request's entries ``ids``.
+
+    Request b's entry e lives in block ``tables[b, e // R]`` at row e % R (R = rows_per_block), so
+
+        out[b, k] = tables[b, e // R] * R + e % R + offset   for e = ids[b, k] >= 0 with e // R < width
+                  = -1                                       for e < 0 (no entry) or e // R >= width.
+
+    An entry past the table (e // R >= width) has no row: -1, like no entry (callers never pass one; the op
+    defines it rather than reading out of bounds). ``offset`` shifts every row (the pool as the second segment of
+    a row table, after ``offset`` rows of another); -1 stays -1.
+
+    Args:
+        ids: [rows, K] int64 entry numbers of each request, -1 (any negative) = none.
+        tables: [rows, width] int64 block tables (block ids >= 0).
+        rows_per_block: int >= 1, R.
+        offset: int >= 0 added to every row.
+
+    Returns:
+        [rows, K] int64 on ids' device. See reference.py.
+    """
+    op = "paged_rows"
+    if ids.dim() != 2 or tables.dim() != 2 or ids.dtype != torch.int64 or tables.dtype != torch.int64:
+        raise ValueError(
+            f"{op}: ids must be int64 [rows, K] and tables int64 [rows, width], got ids {ids.dtype}"
+            f"{tuple(ids.shape)} and tables {tables.dtype}{tuple(tables.shape)}"
+        )
+    if ids.shape[0] != tables.shape[0]:
+        raise ValueError(f"{op}: ids {tuple(ids.shape)} and tables {tuple(tables.shape)} must have the same rows")
+    if ids.device != tables.device:
+        raise ValueError(f"{op}: ids on {ids.device} and tables on {tables.device} must be on one device")
+    rows_per_block = _check_int(op, "rows_per_block", rows_per_block, 1)
+    offset = _check_int(op, "offset", offset, 0)
+    return dispatch(op, ids.device, ids, tables, rows_per_block, offset)

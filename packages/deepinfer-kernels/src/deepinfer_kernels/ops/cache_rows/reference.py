@@ -1,0 +1,33 @@
+"""Plain-PyTorch cache row ids (the definition of correct): a few elementwise int64 ops per call.
+
+``ring_rows_ref`` is the body ``DecodeBatch.ring_ids`` had before the op existed, op for op; ``paged_rows_ref`` is
+``DecodeBatch.pool_rows``'s gather through the block tables plus the offset and the out-of-table rule. Each row
+reads only its own inputs: row-invariant by construction.
+"""
+
+import torch
+
+from deepinfer_kernels.registry import register_reference
+
+
+@register_reference("ring_rows")
+def ring_rows_ref(
+    pos: torch.Tensor, slots: torch.Tensor, first: torch.Tensor, capacity: int, n: int, every: int = 1
+) -> torch.Tensor:
+    key_pos = pos[:, None] + torch.arange(1 - n, 1, device=pos.device)  # [rows, n]: p - n + 1 .. p
+    ids = slots[:, None] * capacity + key_pos.clamp(min=0) % capacity
+    held = key_pos >= first[:, None]
+    if every > 1:
+        held = held & ((pos + 1) % every == 0)[:, None]
+    return torch.where(held, ids, -1)
+
+
+@register_reference("paged_rows")
+def paged_rows_ref(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+    safe = ids.clamp(min=0)
+    block = safe // rows_per_block
+    ok = (ids >= 0) & (block < tables.shape[1])
+    if tables.shape[1] == 0:  # nothing to gather from: every entry is past the table
+        return torch.full_like(ids, -1)
+    blocks = tables.gather(1, torch.where(ok, block, 0))
+    return torch.where(ok, blocks * rows_per_block + safe % rows_per_block + offset, -1)

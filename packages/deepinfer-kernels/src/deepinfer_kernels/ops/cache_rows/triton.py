@@ -1,0 +1,96 @@
+"""Triton cache row ids (CUDA backend ``triton`` of ``ring_rows`` and ``paged_rows``): one launch each.
+
+Grid (rows, column blocks of BLOCK): a program loads its request's scalars (position, slot, first held position;
+or its block table row through the masked gather) and writes BLOCK row ids, int64 throughout, the tail masked.
+They replace chains of 8-12 tiny torch kernels per call in a decode step. The formulas are the reference's:
+``%`` and ``//`` only ever see non-negative operands (max(q, 0), max(e, 0)), where Triton's truncating
+division and torch's flooring one agree, and ``(p + 1) % every == 0`` holds under either convention alike (with
+every = 1 always: no branch), so the results equal the reference exactly. Each row reads only its own inputs:
+batch-invariant. No host reads: capturable in CUDA graphs.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+MAX_BLOCK = 1024
+
+
+@triton.jit
+def _ring_rows_kernel(
+    pos_ptr, slots_ptr, first_ptr, out_ptr, N, CAP, EVERY, POS_STRIDE, SLOTS_STRIDE, FIRST_STRIDE,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    p = tl.load(pos_ptr + b * POS_STRIDE)
+    slot = tl.load(slots_ptr + b * SLOTS_STRIDE)
+    first = tl.load(first_ptr + b * FIRST_STRIDE)
+    q = p - N + 1 + j  # positions p - n + 1 .. p
+    row = slot * CAP + tl.maximum(q, 0) % CAP
+    held = (q >= first) & ((p + 1) % EVERY == 0)
+    tl.store(out_ptr + b * N + j, tl.where(held, row, -1), mask=j < N)
+
+
+@triton.jit
+def _paged_rows_kernel(
+    ids_ptr, tables_ptr, out_ptr, K, W, R, OFFSET, IDS_STRIDE_B, IDS_STRIDE_K, TAB_STRIDE_B, TAB_STRIDE_W,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    in_k = k < K
+    e = tl.load(ids_ptr + b * IDS_STRIDE_B + k * IDS_STRIDE_K, mask=in_k, other=-1)
+    safe = tl.maximum(e, 0)
+    block = safe // R
+    ok = in_k & (e >= 0) & (block < W)
+    t = tl.load(tables_ptr + b * TAB_STRIDE_B + block * TAB_STRIDE_W, mask=ok, other=0)
+    tl.store(out_ptr + b * K + k, tl.where(ok, t * R + safe % R + OFFSET, -1), mask=in_k)
+
+
+def _block(cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for ``cols`` columns: one program covers up to MAX_BLOCK of a row."""
+    block = min(MAX_BLOCK, max(16, triton.next_power_of_2(cols)))
+    return block, max(1, min(4, block // 256))
+
+
+def ring_rows_triton(
+    pos: torch.Tensor, slots: torch.Tensor, first: torch.Tensor, capacity: int, n: int, every: int = 1
+) -> torch.Tensor:
+    """The op (contract in ``__init__.py``)."""
+    require_same_device(pos, slots, first)
+    out = torch.empty(pos.shape[0], n, dtype=torch.int64, device=pos.device)
+    if out.numel():
+        block, warps = _block(n)
+        grid = (pos.shape[0], triton.cdiv(n, block))
+        _ring_rows_kernel[grid](
+            pos, slots, first, out, n, capacity, every, pos.stride(0), slots.stride(0), first.stride(0),
+            BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return out
+
+
+def paged_rows_triton(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+    """The op (contract in ``__init__.py``)."""
+    require_same_device(ids, tables)
+    rows, k = ids.shape
+    out = torch.empty(rows, k, dtype=torch.int64, device=ids.device)
+    if out.numel():
+        block, warps = _block(k)
+        grid = (rows, triton.cdiv(k, block))
+        table_ptr = tables if tables.numel() else ids  # width 0: never read, any valid pointer
+        _paged_rows_kernel[grid](
+            ids, table_ptr, out, k, tables.shape[1], rows_per_block, offset,
+            ids.stride(0), ids.stride(1), tables.stride(0), tables.stride(1),
+            BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return out
+
+
+for _name, _fn in (("ring_rows", ring_rows_triton), ("paged_rows", paged_rows_triton)):
+    register_backend(
+        _name, "triton", _fn, devices=("cuda",), priority=20, available=triton_cuda_available, batch_invariant=True
+    )

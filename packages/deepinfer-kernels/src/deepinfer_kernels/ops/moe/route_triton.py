@@ -1,0 +1,97 @@
+"""Triton learned top-k routing (CUDA backend ``triton`` of ``moe_route_topk``): one launch for the whole router.
+
+The reference is a chain of small kernels per MoE layer (scores, bias add, topk, gather, sum, divide, scale): at
+decode they are a few dozen of a step's launches. Here one program owns one token's row of E logits (E <= 1024:
+256 for V4-Flash, 384 for V4.1-Flash) and picks its k experts by k rounds of (max, lowest index at the max),
+in descending biased score as the reference's sorted topk, with ties going to the lower expert id (the
+reference leaves ties to torch.topk). The weights are the scores at the picks, normalised by their sum and scaled:
+the fp32 operations of the reference (softplus through an accurate log1p), so the scores agree to an ulp or so
+and the weights to a few. A NaN score ranks first, as in torch.topk. A program reads only its own row:
+batch-invariant.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.ops._elementwise import SOFTPLUS_THRESHOLD
+from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+from .reference import moe_route_topk_ref
+
+_SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _log1p(y):
+    """log(1 + y) for y >= 0 to a couple of ulp (Goldberg's trick: the rounding of 1 + y cancels), where
+    log(1 + y) alone loses every digit of a small y (router logits of -20 would all score 0 and tie)."""
+    u = 1.0 + y
+    return tl.where(u == 1.0, y, tl.log(u) * tl.math.div_rn(y, u - 1.0))
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, w_ptr, e_ptr, E, L_ST, route_scale, norm_eps, threshold,
+    TOP_K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < E
+    x = tl.load(logits_ptr + t * L_ST + cols, mask=ok, other=0.0).to(tl.float32)
+    if SCORING == 0:
+        s = tl.sqrt(tl.where(x > threshold, x, _log1p(tl.exp(x))))
+    elif SCORING == 1:
+        s = tl.math.div_rn(1.0, 1.0 + tl.exp(-x))
+    else:
+        e = tl.where(ok, tl.exp(x - tl.max(tl.where(ok, x, float("-inf")), axis=0)), 0.0)
+        s = tl.math.div_rn(e, tl.sum(e, axis=0))
+    sel = s
+    if HAS_BIAS:
+        sel = s + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    sel = tl.where(sel != sel, float("inf"), sel)  # NaN ranks above everything, as in torch.topk
+    free = ok
+    slot = tl.arange(0, KP)
+    weights = tl.zeros([KP], tl.float32)
+    experts = tl.zeros([KP], tl.int64)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, sel, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (sel == best), cols, BLOCK_E), axis=0)
+        weights = tl.where(slot == i, tl.sum(tl.where(cols == pick, s, 0.0), axis=0), weights)
+        experts = tl.where(slot == i, pick.to(tl.int64), experts)
+        free = free & (cols != pick)
+    if NORM:  # an IEEE division as the reference's (Triton's fp32 ``/`` is the approximate div.full on the GPU)
+        weights = tl.math.div_rn(weights, tl.sum(weights, axis=0) + norm_eps)
+    keep = slot < TOP_K
+    tl.store(w_ptr + t * TOP_K + slot, weights * route_scale, mask=keep)
+    tl.store(e_ptr + t * TOP_K + slot, experts, mask=keep)
+
+
+def moe_route_topk_triton(logits, bias, top_k, *, route_scale, scoring="sqrtsoftplus", norm_topk=True, norm_eps=1e-20):
+    t, e = logits.shape
+    if e > MAX_EXPERTS:  # one program holds a row
+        return moe_route_topk_ref(
+            logits, bias, top_k, route_scale=route_scale, scoring=scoring, norm_topk=norm_topk, norm_eps=norm_eps
+        )
+    require_same_device(logits, *([bias] if bias is not None else []))
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t and top_k:
+        _route_kernel[(t,)](
+            logits, bias if bias is not None else logits, weights, experts, e, logits.stride(0), float(route_scale),
+            float(norm_eps), SOFTPLUS_THRESHOLD, TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+            SCORING=_SCORING[scoring], HAS_BIAS=bias is not None, NORM=norm_topk,
+            BLOCK_E=triton.next_power_of_2(e), num_warps=4,
+        )  # fmt: skip
+    return weights, experts
+
+
+register_backend(
+    "moe_route_topk", "triton", moe_route_topk_triton, devices=("cuda",), priority=20,
+    available=triton_cuda_available, batch_invariant=True,
+)  # fmt: skip

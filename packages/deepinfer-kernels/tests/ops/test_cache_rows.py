@@ -1,0 +1,264 @@
+"""ring_rows / paged_rows: the references vs a straightforward Python loop over the contract (fresh random inputs:
+-1 ids, positions before 0, rings that hold nothing yet, every > 1, offsets, ids past the table, empty shapes),
+the argument checks, and the Triton kernels vs the references (integers: exactly equal) under Triton's interpreter
+on CPU (one child process) and on CUDA at a decode step's sizes, also captured in a CUDA graph and replayed with
+new data."""
+
+import importlib.util
+
+import pytest
+import torch
+from deepinfer_kernels import paged_rows, ring_rows
+from deepinfer_kernels.ops.cache_rows.reference import paged_rows_ref, ring_rows_ref
+from deepinfer_kernels.testing.compare import assert_bitwise
+
+
+def _ring_loop(pos, slots, first, capacity: int, n: int, every: int) -> torch.Tensor:
+    """The contract, one entry at a time in Python ints."""
+    out = []
+    for p, s, f in zip(pos.tolist(), slots.tolist(), first.tolist()):
+        row = []
+        for j in range(n):
+            q = p - n + 1 + j
+            held = q >= f and (every == 1 or (p + 1) % every == 0)
+            row.append(s * capacity + max(q, 0) % capacity if held else -1)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.int64).view(len(out), n)
+
+
+def _paged_loop(ids, tables, r: int, offset: int) -> torch.Tensor:
+    out = []
+    for row_ids, table in zip(ids.tolist(), tables.tolist()):
+        out.append([table[e // r] * r + e % r + offset if 0 <= e and e // r < len(table) else -1 for e in row_ids])
+    return torch.tensor(out, dtype=torch.int64).view(ids.shape)
+
+
+def _ring_inputs(rows: int, capacity: int, n: int, seed: int, device="cpu"):
+    """Positions from 0 (q < 0 for most entries) to a few rings deep, slots anywhere in a pool of 2 * rows + 3,
+    first held positions below, inside and above each request's window (and above p: nothing held)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 3 * (capacity + n) + 2, (rows,), generator=g)
+    if rows:
+        pos[0] = 0
+    slots = torch.randint(0, 2 * rows + 3, (rows,), generator=g)
+    first = pos - torch.randint(-2, n + 3, (rows,), generator=g)
+    if rows > 1:
+        first[1] = 0
+    return pos.to(device), slots.to(device), first.to(device)
+
+
+def _paged_inputs(rows: int, k: int, width: int, r: int, seed: int, device="cpu"):
+    """Block tables of distinct block ids and entry numbers from -2 to two blocks past the table, some -1."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.randperm(rows * width + 5, generator=g)[: rows * width].view(rows, width)
+    ids = torch.randint(-2, (width + 2) * r, (rows, k), generator=g)
+    ids[torch.rand(rows, k, generator=g) < 0.2] = -1
+    return ids.to(device), tables.to(device)
+
+
+RING_CASES = [  # rows, capacity, n, every
+    (5, 9, 4, 1),  # a window
+    (6, 12, 8, 4),  # CSA overlap: 2r rows every r
+    (7, 4, 2, 2),  # V4.1 ratio 2
+    (4, 1, 1, 1),
+    (3, 5, 8, 1),  # n > capacity: entries alias (the op does not refuse)
+    (9, 17, 16, 16),
+    (0, 4, 3, 1),  # no rows
+    (4, 4, 0, 2),  # no entries
+]
+PAGED_CASES = [  # rows, K, width, rows_per_block, offset
+    (5, 7, 3, 4, 0),
+    (6, 16, 5, 2, 37),
+    (3, 9, 1, 1, 5),
+    (4, 6, 4, 64, 1000),
+    (3, 5, 0, 4, 2),  # empty tables: every id is past them
+    (0, 6, 3, 4, 0),
+    (4, 0, 3, 4, 3),
+]
+
+
+@pytest.mark.parametrize("rows,capacity,n,every", RING_CASES)
+def test_ring_rows_reference_matches_the_contract(rows, capacity, n, every):
+    for seed in range(3):
+        args = (*_ring_inputs(rows, capacity, n, seed), capacity, n, every)
+        want = _ring_loop(*args)
+        assert_bitwise(ring_rows_ref(*args), want, f"ring rows={rows} n={n} every={every}")
+        assert_bitwise(ring_rows(*args), want, "public op on CPU")
+
+
+def test_ring_rows_edges():
+    pos, slots, first = torch.tensor([0, 5, 7, 3]), torch.tensor([2, 0, 1, 3]), torch.tensor([0, 3, 0, 9])
+    got = ring_rows(pos, slots, first, 6, 3)
+    # p=0: q=-2,-1 below first 0; p=5 from 3; p=7 in slot 1 wraps (q=5,6,7 -> 5,0,1); first 9 > p=3: nothing
+    assert got.tolist() == [[-1, -1, 12], [3, 4, 5], [11, 6, 7], [-1, -1, -1]]
+    got = ring_rows(pos, slots, torch.full_like(first, -5), 6, 3, every=4)  # only p = 3 and 7 complete a group
+    assert got.tolist() == [[-1, -1, -1], [-1, -1, -1], [11, 6, 7], [19, 20, 21]]
+    # first below 0: positions before 0 are "held" and read row max(q, 0) (the old ring_ids did the same)
+    assert ring_rows(pos[:1], slots[:1], torch.tensor([-9]), 6, 3).tolist() == [[12, 12, 12]]
+
+
+@pytest.mark.parametrize("rows,k,width,r,offset", PAGED_CASES)
+def test_paged_rows_reference_matches_the_contract(rows, k, width, r, offset):
+    for seed in range(3):
+        ids, tables = _paged_inputs(rows, k, width, r, seed)
+        want = _paged_loop(ids, tables, r, offset)
+        assert_bitwise(paged_rows_ref(ids, tables, r, offset), want, f"paged rows={rows} K={k} width={width}")
+        assert_bitwise(paged_rows(ids, tables, r, offset), want, "public op on CPU")
+
+
+def test_paged_rows_equals_the_old_gather_plus_offset():
+    """What DecodeBatch.pool_rows and its callers computed (ids inside the table): bitwise the same."""
+    ids, tables = _paged_inputs(8, 32, 6, 4, 11)
+    ids = torch.where(ids < 6 * 4, ids, -1)
+    safe = ids.clamp(min=0)
+    old = torch.where(ids >= 0, tables.gather(1, safe // 4) * 4 + safe % 4, -1)
+    assert_bitwise(paged_rows(ids, tables, 4), old, "offset 0")
+    assert_bitwise(paged_rows(ids, tables, 4, offset=77), torch.where(old >= 0, old + 77, -1), "offset 77")
+
+
+def test_paged_rows_past_the_table_is_minus_one():
+    tables = torch.tensor([[3, 1], [0, 2]])
+    ids = torch.tensor([[0, 3, 4, 7, -1], [5, 8, 100, -2, 1]])
+    assert paged_rows(ids, tables, 4, offset=10).tolist() == [[22, 25, 14, 17, -1], [19, -1, -1, -1, 11]]
+
+
+def test_argument_errors():
+    pos = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        ring_rows(pos.int(), pos, pos, 4, 2)
+    with pytest.raises(ValueError, match="rows"):
+        ring_rows(pos, pos[:2], pos, 4, 2)
+    with pytest.raises(ValueError, match="rows"):
+        ring_rows(pos[:, None], pos, pos, 4, 2)
+    with pytest.raises(ValueError, match="capacity"):
+        ring_rows(pos, pos, pos, 0, 2)
+    with pytest.raises(ValueError, match="n must"):
+        ring_rows(pos, pos, pos, 4, -1)
+    with pytest.raises(ValueError, match="every"):
+        ring_rows(pos, pos, pos, 4, 2, every=0)
+    with pytest.raises(ValueError, match="capacity"):
+        ring_rows(pos, pos, pos, 4.0, 2)
+    ids, tables = torch.zeros(3, 5, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        paged_rows(ids.int(), tables, 4)
+    with pytest.raises(ValueError, match="int64"):
+        paged_rows(ids[0], tables, 4)
+    with pytest.raises(ValueError, match="same rows"):
+        paged_rows(ids, tables[:2], 4)
+    with pytest.raises(ValueError, match="rows_per_block"):
+        paged_rows(ids, tables, 0)
+    with pytest.raises(ValueError, match="offset"):
+        paged_rows(ids, tables, 4, offset=-1)
+    with pytest.raises(ValueError, match="offset"):
+        paged_rows(ids, tables, 4, offset=True)
+
+
+# --- Triton ---------------------------------------------------------------------------------------------------
+
+
+def _check_triton(ring_cases, paged_cases, device, seed):
+    from deepinfer_kernels.ops.cache_rows.triton import paged_rows_triton, ring_rows_triton
+
+    for i, (rows, capacity, n, every) in enumerate(ring_cases):
+        pos, slots, first = _ring_inputs(rows, capacity, n, seed + i, device)
+        want = ring_rows_ref(pos, slots, first, capacity, n, every)
+        got = ring_rows_triton(pos, slots, first, capacity, n, every)
+        what = f"ring rows={rows} cap={capacity} n={n} every={every}"
+        assert_bitwise(got, want, what)
+        if rows and device == "cpu":
+            assert_bitwise(got, _ring_loop(pos, slots, first, capacity, n, every), what + " (loop)")
+        if rows > 1:  # one request alone: the same row
+            assert_bitwise(ring_rows_triton(pos[-1:], slots[-1:], first[-1:], capacity, n, every), got[-1:], what)
+    for i, (rows, k, width, r, offset) in enumerate(paged_cases):
+        ids, tables = _paged_inputs(rows, k, width, r, seed + i, device)
+        want = paged_rows_ref(ids, tables, r, offset)
+        what = f"paged rows={rows} K={k} width={width} R={r} offset={offset}"
+        assert_bitwise(paged_rows_triton(ids, tables, r, offset), want, what)
+        if rows > 1:
+            assert_bitwise(paged_rows_triton(ids[-1:], tables[-1:], r, offset), want[-1:], what)
+
+
+def _interp_cases(which: str):
+    if which == "ring":
+        _check_triton(RING_CASES + [(3, 40, 1500, 1), (2, 130, 128, 128)], [], "cpu", 1)
+    else:
+        _check_triton([], PAGED_CASES + [(3, 1100, 8, 2, 9)], "cpu", 2)
+
+
+def _interp_strided_inputs():
+    """Views with strides (the plan's fields are slices of one tensor; ids may be a transposed view)."""
+    from deepinfer_kernels.ops.cache_rows.triton import paged_rows_triton, ring_rows_triton
+
+    data = torch.arange(40, dtype=torch.int64) * 3
+    pos, slots, first = data[0:20:2], data[1:21:2] % 7, data[2:22:2] - 5
+    assert_bitwise(ring_rows_triton(pos, slots, first, 8, 6, 3), ring_rows_ref(pos, slots, first, 8, 6, 3), "ring")
+    ids, tables = _paged_inputs(9, 4, 3, 2, 5)
+    ids, tables = ids.t().contiguous().t(), tables.t().contiguous().t()
+    assert_bitwise(paged_rows_triton(ids, tables, 2, 4), paged_rows_ref(ids, tables, 2, 4), "paged")
+
+
+INTERP_CASES = {
+    "ring-rows": ("_interp_cases", ("ring",)),
+    "paged-rows": ("_interp_cases", ("paged",)),
+    "strided-inputs": ("_interp_strided_inputs", ()),
+}
+
+if importlib.util.find_spec("triton") is not None:
+    from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test
+
+    test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)
+
+
+GPU_RING = [  # a decode step's rings: windows (W = 128, + B rows), CSA 2r every r, HCA r every r, V4.1 ratio 2
+    (rows, capacity, n, every)
+    for rows in (1, 3, 64, 256)
+    for capacity, n, every in ((130, 128, 1), (200, 128, 1), (12, 8, 4), (200, 128, 128), (4, 2, 2), (200, 640, 1))
+]
+GPU_PAGED = [  # top-512 entries through tables up to 128 blocks wide; rows per block: 64 (CSA), 2 (HCA), 128
+    (rows, 512, width, r, offset)
+    for rows in (1, 3, 64, 256)
+    for width, r, offset in ((8, 64, 0), (128, 2, 33408), (128, 128, 128), (0, 4, 5))
+]
+
+
+@pytest.mark.gpu
+def test_gpu_matches_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    _check_triton(GPU_RING, GPU_PAGED, "cuda", 3)
+    from deepinfer_kernels import registry
+    from deepinfer_kernels.ops.cache_rows.triton import paged_rows_triton, ring_rows_triton
+
+    if not registry.force_reference():  # what a step on CUDA runs
+        assert registry.resolve("ring_rows", "cuda") is ring_rows_triton
+        assert registry.resolve("paged_rows", "cuda") is paged_rows_triton
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 256])
+def test_gpu_cuda_graph_replay_with_new_data(rows):
+    """Both ops captured in one graph over static inputs, replayed after copying in a later step's data."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    static = [t.clone() for t in _ring_inputs(rows, 200, 128, 7, "cuda")]
+    static += [t.clone() for t in _paged_inputs(rows, 512, 128, 2, 7, "cuda")]
+
+    def step():
+        pos, slots, first, ids, tables = static
+        return ring_rows(pos, slots, first, 200, 128, 4), paged_rows(ids, tables, 2, offset=rows * 200)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ring_out, paged_out = step()
+    for seed in (8, 9):
+        new = [*_ring_inputs(rows, 200, 128, seed, "cuda"), *_paged_inputs(rows, 512, 128, 2, seed, "cuda")]
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        pos, slots, first, ids, tables = new
+        assert_bitwise(ring_out, ring_rows_ref(pos, slots, first, 200, 128, 4), f"ring replay seed {seed}")
+        assert_bitwise(paged_out, paged_rows_ref(ids, tables, 2, rows * 200), f"paged replay seed {seed}")
