@@ -27,7 +27,7 @@ from .reference import (
     fake_quant_e2m1_ref,
     fake_quant_fp8_ue8m0_ref,
 )
-from .triton import _exp2_int, _pow2_exponent, _round_e4m3
+from .triton import _exp2_int, _pow2_exponent, _round_e4m3, _row_blocks, launch_grid, tiled_block
 
 
 @triton.jit
@@ -51,12 +51,7 @@ def _fake_quant_kernel(
     x_ptr, out_ptr, D, G, floor,
     FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    k = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    ok = (g[:, None] < G) & (k < D)
-    x = tl.load(x_ptr + row * D + k, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
+    row, _, k, ok, x, amax = _row_blocks(x_ptr, D, G, BLOCK, GROUPS)
     if not FP4:  # FP8 e4m3 values, UE8M0 scale
         e = _pow2_exponent(amax, floor, 1.0 / 448.0)
         y = tl.minimum(tl.maximum(x * _exp2_int(-e)[:, None], -448.0), 448.0)
@@ -77,26 +72,21 @@ def _launch(x: torch.Tensor, block: int, floor: float, fp4: bool, e4m3_scale: bo
     x2 = x.reshape(-1, d).contiguous()
     out = torch.empty_like(x2)
     if x2.numel():
-        g = d // block
-        groups = max(1, min(triton.next_power_of_2(g), 2048 // block))  # about 2048 elements a program
-        _fake_quant_kernel[(x2.shape[0], triton.cdiv(g, groups))](
-            x2, out, d, g, floor, FP4=fp4, E4M3_SCALE=e4m3_scale, BLOCK=block, GROUPS=groups, num_warps=4
+        grid, groups = launch_grid(x2.shape[0], d // block, block)
+        _fake_quant_kernel[grid](
+            x2, out, d, d // block, floor, FP4=fp4, E4M3_SCALE=e4m3_scale, BLOCK=block, GROUPS=groups, num_warps=4
         )
     return out.view(x.shape)
 
 
-def _served(x: torch.Tensor, block: int) -> bool:
-    return x.dtype != torch.float64 and not block & (block - 1) and 16 <= block <= 1024
-
-
 def fake_quant_fp8_ue8m0_triton(x: torch.Tensor, block: int) -> torch.Tensor:
-    if not _served(x, block):  # fp64 and other block sizes: the reference
+    if not tiled_block(x, block):  # fp64 and other block sizes: the reference
         return fake_quant_fp8_ue8m0_ref(x, block)
     return _launch(x, block, FP8_AMAX_FLOOR, fp4=False, e4m3_scale=False)
 
 
 def fake_quant_e2m1_triton(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
-    if not _served(x, block):
+    if not tiled_block(x, block):
         return fake_quant_e2m1_ref(x, block, scale_fmt)
     e4m3 = scale_fmt == "e4m3"
     return _launch(x, block, E2M1_E4M3_AMAX_FLOOR if e4m3 else E2M1_UE8M0_AMAX_FLOOR, fp4=True, e4m3_scale=e4m3)

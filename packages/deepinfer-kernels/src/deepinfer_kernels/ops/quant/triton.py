@@ -56,16 +56,35 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _act_quant_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, K, G,
-    BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-):  # fmt: skip
+def _row_blocks(x_ptr, K, G, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """This program's GROUPS blocks of BLOCK values (blocks program_id(1) * GROUPS .. of row program_id(0) of the
+    row-major [rows, K] input, G blocks a row, the last one possibly partial): (row, block ids, offsets in the row,
+    mask, fp32 values, per-block max |x|)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = (g[:, None] < G) & (k < K)
     x = tl.load(x_ptr + row * K + k, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
+    return row, g, k, ok, x, tl.max(tl.abs(x), axis=1)
+
+
+def tiled_block(x: torch.Tensor, block: int) -> bool:
+    """Whether the block kernels here serve ``x`` with ``block``: a power of two in [16, 1024], not fp64."""
+    return x.dtype != torch.float64 and not block & (block - 1) and 16 <= block <= 1024
+
+
+def launch_grid(rows: int, blocks: int, block: int) -> tuple[tuple[int, int], int]:
+    """(grid, GROUPS) for ``rows`` rows of ``blocks`` blocks: about 2048 values a program."""
+    groups = max(1, min(triton.next_power_of_2(blocks), 2048 // block))
+    return (rows, triton.cdiv(blocks, groups)), groups
+
+
+@triton.jit
+def _act_quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, K, G,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    row, g, k, ok, x, amax = _row_blocks(x_ptr, K, G, BLOCK, GROUPS)
     e = _pow2_exponent(amax, 1e-4, 1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
     y = x * _exp2_int(-e)[:, None]  # exact: same value as x / 2^e
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
@@ -75,7 +94,7 @@ def _act_quant_fp8_kernel(
 
 def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``act_quant_fp8`` for power-of-two ``block`` in [16, 1024]; other blocks go to the reference."""
-    if block & (block - 1) or not 16 <= block <= 1024 or x.dtype == torch.float64:
+    if not tiled_block(x, block):
         return act_quant_fp8_ref(x, block)
     k = x.shape[-1]
     g = -(-k // block)
@@ -84,8 +103,8 @@ def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, g, dtype=torch.float32, device=x.device)
     if rows and k:
-        groups = max(1, min(triton.next_power_of_2(g), 2048 // block))  # about 2048 elements a program
-        _act_quant_fp8_kernel[(rows, triton.cdiv(g, groups))](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4)
+        grid, groups = launch_grid(rows, g, block)
+        _act_quant_fp8_kernel[grid](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], g)
 
 
