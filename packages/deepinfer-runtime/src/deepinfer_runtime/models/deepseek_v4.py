@@ -592,9 +592,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         windows, states, kvs, scores = (list(zip(*part)) for part in zip(*(c.step_parts for c in caches)))
         if [s.key for s in caches[0].step_parts[1]] != list(plans):
             raise RuntimeError("cache compressors do not follow the model's v4_compressors order")
+        stores = [[s.store() for s in col] for col in states]
         # a request's stores all come from its cache's one row factory: its first one says whether all are paged
-        first_stores = [s.store() for s in states[0]] if plans else []
-        kv_pools = paged_stores(first_stores)
+        kv_pools = paged_stores(stores[0]) if plans else None
         if plans and kv_pools is None:
             return None
         dev = self.embed.weight.device
@@ -608,13 +608,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             batch.plan_ring(rings, back)
         appends: dict[int, tuple[dict, dict]] = {}  # ratio -> (stores, entry widths) by compressor
         for j, (key, plan) in enumerate(plans.items()):
-            stores, widths = appends.setdefault(plan.ratio, ({}, {}))
-            stores[key] = first_stores if j == 0 else [s.store() for s in states[j]]
-            widths[key] = plan.width - plan.prev_width
-        for ratio, (stores, widths) in appends.items():
-            batch.plan_append(stores, ratio, widths, self.dtype)
+            group, widths = appends.setdefault(plan.ratio, ({}, {}))
+            group[key], widths[key] = stores[j], plan.width - plan.prev_width
+        for ratio, (group, widths) in appends.items():
+            batch.plan_append(group, ratio, widths, self.dtype)
         if plans:
-            batch.plan_tables([s.table for s in first_stores], kv_pools.block_size, bucket=batch.graphs is not None)
+            batch.plan_tables([s.table for s in stores[0]], kv_pools.block_size, bucket=batch.graphs is not None)
         return batch.seal(dev)
 
     def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:

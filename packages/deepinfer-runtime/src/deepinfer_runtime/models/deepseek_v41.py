@@ -426,18 +426,19 @@ class Attention(nn.Module):
         low = 0 if floor is None else floor
         return torch.where(key_pos >= max(low, first), key_pos - first, -1)
 
-    def attend(self, q, kv_rows, entries, win_ids, picked, pos, shifted: bool = False) -> torch.Tensor:
+    def attend(self, q, kv_rows, entries, win_ids, picked, pos) -> torch.Tensor:
         """Softmax with sinks over [window | selected entries], inverse RoPE, grouped output -> [S, d]. ``picked``
-        [S, K] int64: rows of ``entries`` (-1: none), or with ``shifted`` already rows of the two segments' table
-        (past the kv_rows.shape[0] window rows, -1: none: ``DecodeBatch.pool_rows(offset=)``)."""
+        [S, K] int64: rows of ``entries`` (-1: none)."""
         if entries is None:
-            kv_all, idx = kv_rows, win_ids
-        else:  # two segments: [window rows | entries]
-            kv_all = (kv_rows, entries.to(kv_rows.dtype))
-            if not shifted:
-                picked = torch.where(picked >= 0, picked + kv_rows.shape[0], -1)
-            idx = torch.cat([win_ids, picked], dim=1)
-        o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
+            return self.attend_rows(q, kv_rows, win_ids, pos)
+        # two segments: [window rows | entries]
+        idx = torch.cat([win_ids, torch.where(picked >= 0, picked + kv_rows.shape[0], -1)], dim=1)
+        return self.attend_rows(q, (kv_rows, entries.to(kv_rows.dtype)), idx, pos)
+
+    def attend_rows(self, q, kv, idx, pos) -> torch.Tensor:
+        """``attend`` over the rows ``idx`` [S, K] int64 (-1: none) of ``kv`` (one tensor, or two segments read as
+        one row table, as ``sparse_mqa_attention`` takes them) -> [S, d]."""
+        o = sparse_mqa_attention(q, kv, idx, self.attn_sink, self.head_dim**-0.5)
         o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
@@ -528,8 +529,9 @@ class Attention(nn.Module):
             picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
             shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
         key = ("kv", self.kv_source)  # the entries are read in place, from the pool
-        picked = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0])
-        return self.attend(q, kv_rows, batch.kv[key].flat, win_ids, picked, pos, shifted=True)
+        rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0])
+        kv = (kv_rows, batch.kv[key].flat.to(kv_rows.dtype))
+        return self.attend_rows(q, kv, torch.cat([win_ids, rows], dim=1), pos)
 
     def index_scores_batched(self, x, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
