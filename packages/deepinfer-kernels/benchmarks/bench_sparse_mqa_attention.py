@@ -94,7 +94,7 @@ def sweep(rec: Recorder, copy_gbs: float, mm_tflops: float) -> None:
         for split in (None, 128, 256):
             for block_h, block_n, warps, stages in [
                 (16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 2),
-                (64, 16, 8, 2), (64, 64, 16, 2),
+                (64, 16, 8, 2), (64, 64, 16, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 1),
             ]:  # fmt: skip
                 if split is not None and split % block_n:
                     continue

@@ -111,6 +111,23 @@ def test_validation():
         grouped_gemm_gather(x, w, torch.tensor([0, 1]), row_index=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="one entry per row"):
         grouped_gemm_gather(x, w, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="row_index"):
+        grouped_gemm(x, w, torch.tensor([0, 1, 3]), row_index=torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="row_scale"):  # R is row_index's length (4), not x's (3)
+        grouped_gemm(x, w, torch.tensor([0, 1, 4]), row_index=torch.tensor([0, 2, 1, 1]), row_scale=torch.ones(3))
+
+
+def test_moe_sort_is_moe_permutes_sort():
+    from deepinfer_kernels.ops.moe_permute import moe_sort
+
+    x = torch.randn(9, 8)
+    experts, _ = routing(9, 6, 2, seed=4)
+    xs, order, offsets = moe_permute(x, experts, 6)
+    order2, offsets2 = moe_sort(experts, 6)
+    assert torch.equal(order, order2) and torch.equal(offsets, offsets2)
+    assert torch.equal(xs, x[order2 // 2])
+    with pytest.raises(ValueError, match="moe_sort"):
+        moe_sort(experts.float(), 6)
 
 
 def test_registration():
@@ -153,6 +170,12 @@ def _interp_layouts(w_dtype: str, x_dtype: str, fuse: bool, k: int) -> None:
         got = backend.grouped_gemm_triton(xs, w, offsets, **kw)
         assert got.dtype == out_dtype
         assert_rel_close(got, ref, tol, f"contiguous -> {out_dtype}")
+    # contiguous layout reading the tokens in place through row_index: the sorted copy's bits
+    kw = dict(fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=weights.flatten()[order], out_dtype=torch.float32)
+    got = backend.grouped_gemm_triton(x, w, offsets, row_index=order // top, **kw)
+    assert_bitwise(got, backend.grouped_gemm_triton(xs, w, offsets, **kw), "contiguous, row_index vs sorted copy")
+    assert_bitwise(reference("grouped_gemm")(x, w, offsets, row_index=order // top, **kw),
+                   reference("grouped_gemm")(xs, w, offsets, **kw), "reference, row_index vs sorted copy")  # fmt: skip
     # gathered layout: token-major x with row_index, and pair-major rows without it
     kw = dict(row_index=torch.arange(t * top) // top, fuse_swiglu=fuse, swiglu_limit=LIMIT,
               row_scale=weights.flatten(), out_dtype=torch.float32)  # fmt: skip
@@ -253,6 +276,9 @@ def test_gpu_moe_experts_v4(v4_stacks, t):
     hs = backend.grouped_gemm_triton(xs, w13, offsets, fuse_swiglu=True, swiglu_limit=LIMIT,
                                      row_scale=weights.flatten()[order], out_dtype=torch.float32)  # fmt: skip
     assert_bitwise(hs, h[order], f"contiguous vs gathered gate/up rows, {t} tokens")
+    hi = backend.grouped_gemm_triton(x, w13, offsets, row_index=order // k, fuse_swiglu=True, swiglu_limit=LIMIT,
+                                     row_scale=weights.flatten()[order], out_dtype=torch.float32)  # fmt: skip
+    assert_bitwise(hi, hs, f"contiguous reading the tokens in place (row_index) vs the sorted copy, {t} tokens")
     y = backend.grouped_gemm_triton(hs, w2, offsets, out_dtype=torch.float32)
     y_ref = reference("grouped_gemm")(hs, w2, offsets, out_dtype=torch.float32)
     assert_rel_close(y, y_ref, 1e-5, f"contiguous down (fp32 input), {t} tokens")

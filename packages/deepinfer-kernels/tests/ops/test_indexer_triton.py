@@ -45,12 +45,37 @@ def _interp_invariance_in_queries_and_keys() -> None:
     assert_bitwise(indexer_scores_triton(q, k[:, :77], w, SCALE), full[..., :77], "fewer keys")
 
 
+def _check_visible(b, s, h, n, dtype, device, seed, causal_ratio=None):
+    """With ``visible``: the computed scores are the unmasked kernel's bits, the others -inf, as the reference."""
+    q, k, w = _inputs(b, s, h, 32 if device == "cpu" else 128, n, dtype, device, seed=seed)
+    if causal_ratio:  # a prefill: query t sees (t + 1) // ratio keys
+        visible = ((torch.arange(s, device=device) + 1) // causal_ratio).expand(b, s).contiguous()
+    else:
+        g = torch.Generator(device=device).manual_seed(seed)
+        visible = torch.randint(-3, n + 9, (b, s), generator=g, device=device)  # clamped to [0, N]
+    full = indexer_scores_triton(q, k, w, SCALE)
+    got = indexer_scores_triton(q, k, w, SCALE, visible)
+    hidden = torch.arange(n, device=device) >= visible.clamp(0, n).unsqueeze(-1)
+    assert torch.isneginf(got[hidden]).all(), "entries past visible are -inf"
+    assert_bitwise(got[~hidden], full[~hidden], "visible entries: the same bits as without visible")
+    ref = indexer_scores_ref(q, k, w, SCALE, visible)
+    assert torch.isneginf(ref[hidden]).all() and torch.isfinite(ref[~hidden]).all()
+    assert_rel_close(got[~hidden], ref[~hidden], 1e-5, f"visible {dtype}")
+
+
+def _interp_visible(dtype: str) -> None:
+    _check_visible(2, 37, 8, 200, getattr(torch, dtype), "cpu", seed=5)  # 37 queries: several spans of 8 tiles
+    _check_visible(1, 300, 8, 75, getattr(torch, dtype), "cpu", seed=6, causal_ratio=4)
+
+
 INTERP_CASES = {
     f"{dt}-h{h}-dh{dh}": ("_interp_matches_reference", (dt, h, dh))
     for dt in ("float32", "bfloat16")
     for h, dh in ((8, 32), (64, 16), (6, 32))  # 6 heads: the reference fallback
 }
 INTERP_CASES["invariance"] = ("_interp_invariance_in_queries_and_keys", ())
+INTERP_CASES["visible-float32"] = ("_interp_visible", ("float32",))
+INTERP_CASES["visible-bfloat16"] = ("_interp_visible", ("bfloat16",))
 
 
 def _check_topk(b, s, n, k, device, seed):
@@ -104,6 +129,22 @@ def test_gpu_matches_reference_and_is_invariant(dtype, s, n):
     assert_bitwise(indexer_scores_triton(q[:, r : r + 1].clone(), k, w[:, r : r + 1].clone(), SCALE)[0, 0],
                    out[0, r], "query alone vs in the batch")  # fmt: skip
     assert_bitwise(indexer_scores_triton(q, k[:, : n - 100], w, SCALE), out[..., : n - 100], "fewer keys")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h", "s", "ratio"), [(64, 8192, 4), (32, 8192, 4), (64, 4096, None)])
+def test_gpu_visible(h, s, ratio):
+    """V4 (64 heads) / V4.1 (32) prefill shapes, causal (query t sees (t + 1) // 4 keys) and random lengths."""
+    _check_visible(1, s, h, s // 4, torch.bfloat16, "cuda", seed=h + s, causal_ratio=ratio)
+
+
+def test_visible_checked():
+    q, k, w = _inputs(1, 3, 8, 32, 10, torch.float32, "cpu", seed=1)
+    from deepinfer_kernels.ops.indexer import indexer_scores
+
+    with pytest.raises(ValueError, match="visible"):
+        indexer_scores(q, k, w, SCALE, torch.zeros(1, 3, dtype=torch.int32))
+    assert torch.isneginf(indexer_scores(q, k, w, SCALE, torch.zeros(1, 3, dtype=torch.int64))).all()
 
 
 @pytest.mark.gpu

@@ -234,6 +234,22 @@ def test_hash_routing_ignores_scores_for_selection():
     assert torch.equal(idx_a, table[ids]) and torch.equal(idx_b, table[ids])
 
 
+def test_hash_routing_range_checks_can_be_skipped():
+    g = _gen(11)
+    table = _tid2eid(g)
+    ids = torch.randint(0, V, (T,), generator=g)
+    logits = _randn(g, T, E)
+    want = moe_route_hash(logits, table, ids, route_scale=SCALE)
+    got = moe_route_hash(logits, table, ids, route_scale=SCALE, check_ranges=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    bad = table.clone()
+    bad[ids[0], 0] = E  # an expert id past the router's
+    with pytest.raises(ValueError, match="tid2eid gives experts"):
+        moe_route_hash(logits, bad, ids, route_scale=SCALE)
+    with pytest.raises(ValueError, match="token ids span"):
+        moe_route_hash(logits, table, ids + V, route_scale=SCALE)
+
+
 def test_swiglu_clamp_is_asymmetric():
     gate = torch.tensor([-20.0, -1.0, 0.5, 20.0])
     up = torch.tensor([-20.0, 20.0, 0.5, 3.0])

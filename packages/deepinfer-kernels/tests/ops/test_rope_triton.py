@@ -81,6 +81,31 @@ def _interp_layouts_and_edges() -> None:
         assert_bitwise(rope_interleaved_triton(base[r : r + 1].clone(), pos[r : r + 1], inv)[0], y[r], f"row {r}")
 
 
+def _interp_out() -> None:
+    """``out=x`` rotates in place (the leading channels untouched, not even rewritten); another ``out``, strided,
+    receives the same values as the out-of-place call."""
+    g = torch.Generator().manual_seed(9)
+    inv = rope_inv_freq(16, 160000.0, V4_YARN)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, 5, 48, generator=g).mul(3).to(dt)
+        pos = _positions(6, "cpu", g)
+        for inverse in (False, True):
+            want = rope_interleaved_triton(x, pos, inv, inverse)
+            y = x.clone()
+            assert rope_interleaved_triton(y, pos, inv, inverse, out=y) is y
+            assert_bitwise(y, want, f"{dt} in place inverse={inverse}")
+            strided = torch.full((6, 5, 64), float("nan"), dtype=dt)[..., 8:56]
+            rope_interleaved_triton(x, pos, inv, inverse, out=strided)
+            assert_bitwise(strided, want, f"{dt} strided out inverse={inverse}")
+            # in place on a view whose heads are strided ([T, H, D] view exists): only the tail moves
+            big = torch.randn(6, 10, 48, generator=g).to(dt)
+            view, keep = big[:, ::2], big[:, 1::2].clone()
+            want = rope_interleaved_triton(view, pos, inv, inverse)
+            rope_interleaved_triton(view, pos, inv, inverse, out=view)
+            assert_bitwise(view, want, f"{dt} in place, strided heads")
+            assert_bitwise(big[:, 1::2], keep, f"{dt} in place leaves the other heads alone")
+
+
 INTERP_CASES = {
     f"{dt}-{'x'.join(map(str, s))}-r{r}-{'inv' if i else 'fwd'}": ("_interp_matches_reference", (dt, s, r, i))
     for dt in ("float32", "bfloat16")
@@ -88,6 +113,7 @@ INTERP_CASES = {
     for i in (False, True)
 }
 INTERP_CASES["layouts-and-edges"] = ("_interp_layouts_and_edges", ())
+INTERP_CASES["out"] = ("_interp_out", ())
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -143,6 +169,38 @@ def test_gpu_bitwise_vs_reference(dtype):
         for inverse in (False, True):
             got = rope_interleaved_triton(x, pos, inv, inverse)
             assert_bitwise(got, rope_interleaved_ref(x, pos, inv, inverse), f"{dtype} inverse={inverse}")
+
+
+def test_reference_out():
+    """The op's ``out=``: in place (``out=x``) and into another tensor equal the out-of-place result (reference)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, 40, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 70000, (5,), generator=g)
+    inv = rope_inv_freq(16, 160000.0, V4_YARN)
+    want = rope_interleaved(x, pos, inv, True)
+    y = x.clone()
+    assert rope_interleaved(y, pos, inv, True, out=y) is y
+    assert_bitwise(y, want, "in place")
+    other = torch.empty_like(x)
+    assert_bitwise(rope_interleaved(x, pos, inv, True, out=other), want, "into another tensor")
+    with pytest.raises(ValueError, match="out"):
+        rope_interleaved(x, pos, inv, out=torch.empty(5, 3, 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("site", list(SHAPES))
+def test_gpu_in_place(site):
+    """``out=x`` on CUDA at the call-site shapes: bit-identical to the out-of-place kernel and the reference."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(4096, *SHAPES[site], generator=g, device="cuda").to(torch.bfloat16)
+    pos = _positions(4096, "cuda", g)
+    inv = rope_inv_freq(64, 160000.0, V4_YARN).cuda()
+    for inverse in (False, True):
+        want = rope_interleaved_triton(x, pos, inv, inverse)
+        y = x.clone()
+        rope_interleaved_triton(y, pos, inv, inverse, out=y)
+        assert_bitwise(y, want, f"{site} in place inverse={inverse}")
+        assert_bitwise(y, rope_interleaved_ref(x, pos, inv, inverse), f"{site} in place vs reference")
 
 
 @pytest.mark.gpu

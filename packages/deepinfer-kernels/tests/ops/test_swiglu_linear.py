@@ -1,7 +1,8 @@
-"""The shared expert's GPU backend (``swiglu_mlp`` through ``linear``) against the reference: on the CPU the same
-function over the reference GEMMs (bf16 and fp16, clamps engaged; fp32 weights fall back to the reference
-bitwise), on CUDA at V4-Flash (d 4096, I 2048) and V4.1-Flash (d 5120, I 2304) shapes for decode and prefill row
-counts, the registry's choice, and bitwise row invariance in batch-invariant mode."""
+"""The shared expert's GPU backends (``swiglu_mlp`` through ``linear``; with the Triton SwiGLU) vs the reference:
+on the CPU the same function over the reference GEMMs (bf16 and fp16, clamps engaged; fp32 weights fall back to
+the reference bitwise), on CUDA at V4-Flash (d 4096, I 2048) and V4.1-Flash (d 5120, I 2304) shapes for decode
+and prefill row counts, the registry's choice (the Triton SwiGLU, bitwise equal to the torch chain), and bitwise
+row invariance in batch-invariant mode."""
 
 import pytest
 import torch
@@ -45,8 +46,14 @@ def test_cpu_fp32_falls_back_to_the_reference():
 def test_cuda_matches_reference(d, i, t):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    assert resolve("swiglu_mlp", "cuda") is swiglu_mlp_linear
+    from deepinfer_kernels.ops.moe.swiglu_triton import swiglu_mlp_triton
+
+    assert resolve("swiglu_mlp", "cuda") is swiglu_mlp_triton
     x, w1, w3, w2 = _inputs(t, d, i, torch.bfloat16, "cuda", t + i)
+    # the Triton SwiGLU is the reference's formula with the same roundings: the same bits as the torch chain
+    assert_bitwise(
+        swiglu_mlp(x, w1, w3, w2, swiglu_limit=LIMIT), swiglu_mlp_linear(x, w1, w3, w2, swiglu_limit=LIMIT), "vs linear"
+    )
     assert_rel_close(
         swiglu_mlp(x, w1, w3, w2, swiglu_limit=LIMIT),
         swiglu_mlp_ref(x, w1, w3, w2, swiglu_limit=LIMIT),
@@ -59,10 +66,12 @@ def test_cuda_matches_reference(d, i, t):
 def test_cuda_rows_invariant_in_batch_invariant_mode():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from deepinfer_kernels.ops.moe.swiglu_triton import swiglu_mlp_triton
+
     x, w1, w3, w2 = _inputs(512, 4096, 2048, torch.bfloat16, "cuda", 7)
     set_batch_invariant(True)
     try:
-        assert resolve("swiglu_mlp", "cuda") is swiglu_mlp_linear
+        assert resolve("swiglu_mlp", "cuda") is swiglu_mlp_triton
         full = swiglu_mlp(x, w1, w3, w2, swiglu_limit=LIMIT)
         for r in (0, 300):
             assert_bitwise(swiglu_mlp(x[r : r + 1], w1, w3, w2, swiglu_limit=LIMIT)[0], full[r], f"row {r}")

@@ -146,10 +146,12 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """x [S, d], qr [S, q_lora_rank] -> selected entry ids [S, k] (-1 = none)."""
         keys = self.compressor(x, positions, state, inv_freq)
-        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), positions, inv_freq)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5)
         visible = ((positions + 1) // self.ratio)[None]
+        # with visible, the keys past a query's last complete window are -inf, not computed (causal: half of them)
+        scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
         return indexer_topk(scores, visible, self.topk)[0]
 
     def decode(self, x: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq) -> torch.Tensor:
@@ -157,7 +159,8 @@ class Indexer(nn.Module):
         pos = batch["pos"]
         self.compressor.decode(x, batch, ("idx", layer), inv_freq)
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
-        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, inv_freq)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rope_interleaved(q, pos, inv_freq, out=q)
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = ((pos + 1) // self.ratio)[:, None]  # a request's rows past its own entries are never visible
@@ -192,16 +195,18 @@ class Attention(nn.Module):
     def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D])."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        return qr, rope_interleaved(rms_norm(q, None, self.cfg.rms_norm_eps), pos, self.inv_freq)
+        q = rms_norm(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), None, self.cfg.rms_norm_eps)
+        # in place on the fresh normed queries: RoPE moves 64 of each head's 512 channels, not all of them
+        return qr, rope_interleaved(q, pos, self.inv_freq, out=q)
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D]."""
-        return rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        kv = self.kv_norm(self.wkv(x))
+        return rope_interleaved(kv, pos, self.inv_freq, out=kv)
 
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Attention outputs o [T, H, D] at ``pos`` -> [T, d]: inverse RoPE, grouped wo_a, wo_b."""
-        o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
+        o = rope_interleaved(o, pos, self.inv_freq, inverse=True, out=o)  # o is the attention's fresh output
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
 
@@ -219,7 +224,8 @@ class Attention(nn.Module):
             rows = slice(row, row + p.shape[0])
             row += p.shape[0]
             outs.append(self._attend_one(x[rows], qr[rows], q[rows], kv[rows], p, first, cache))
-        return self.output(torch.cat(outs), pos)
+        # one request: its [T, H, D] output as it is (a cat of one tensor copies it: 0.5 GB for 8K tokens)
+        return self.output(outs[0] if len(outs) == 1 else torch.cat(outs), pos)
 
     def _attend_one(self, x, qr, q, kv, positions, start: int, cache: LayerCache) -> torch.Tensor:
         win = self.cfg.sliding_window
@@ -268,6 +274,7 @@ class Gate(nn.Module):
         self.weight = param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+            self._checked_table: tuple[int, int] | None = None  # (storage, version) of the table last range-checked
         else:
             self.bias = param(cfg.n_routed_experts, dtype=torch.float32)
 
@@ -277,7 +284,13 @@ class Gate(nn.Module):
             route_scale=self.cfg.routed_scaling_factor, scoring=self.cfg.scoring_func, norm_topk=self.cfg.norm_topk_prob
         )
         if self.is_hash:
-            return moe_route_hash(logits, self.tid2eid, input_ids, **kw)
+            # the range checks read the device (a sync mid-forward on a GPU): once per table (a loaded or replaced
+            # table is checked on its first use); token ids are checked at admission, and the embedding reads them first
+            table = (self.tid2eid.data_ptr(), self.tid2eid._version)
+            check = not logits.is_cuda or table != self._checked_table
+            out = moe_route_hash(logits, self.tid2eid, input_ids, check_ranges=check, **kw)
+            self._checked_table = table
+            return out
         return moe_route_topk(logits, self.bias, self.cfg.num_experts_per_tok, **kw)
 
 

@@ -383,12 +383,13 @@ class Attention(nn.Module):
     def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, d] -> (q_lat [S, q_lora_rank], q [S, H, D] rotated). V4.1 has no per-head q norm."""
         qr = self.q_norm(self.wq_a(x))
-        q = rope_interleaved(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, self.inv_freq)
-        return qr, q
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        return qr, rope_interleaved(q, pos, self.inv_freq, out=q)  # in place: only the rotated channels move
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored."""
-        kv = rope_interleaved(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        kv = self.kv_norm(self.wkv(x))
+        kv = rope_interleaved(kv, pos, self.inv_freq, out=kv)
         return fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant else kv
 
     def publish(self, latent: torch.Tensor, group_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,13 +402,16 @@ class Attention(nn.Module):
         return entry, key
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
-        """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]."""
+        """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]; -inf past each query's
+        visible entries (``select`` and ``candidates`` treat those as invisible anyway; they are not computed)."""
         ix = self.indexer
-        qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, self.inv_freq)
+        qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
+        qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
         if self.fake_quant:
             qi = fake_quant_e2m1(qi, 32, "ue8m0")
         weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
-        return indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5)[0]
+        visible = ((pos + 1) // self.ratio)[None]
+        return indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5, visible)[0]
 
     def select(self, scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
         """Top-k entry ids [S, index_topk] (ascending, -1 padded to a fixed width) among visible entries."""
@@ -439,7 +443,7 @@ class Attention(nn.Module):
         """``attend`` over the rows ``idx`` [S, K] int64 (-1: none) of ``kv`` (one tensor, or two segments read as
         one row table, as ``sparse_mqa_attention`` takes them) -> [S, d]."""
         o = sparse_mqa_attention(q, kv, idx, self.attn_sink, self.head_dim**-0.5)
-        o = rope_interleaved(o, pos, self.inv_freq, inverse=True)
+        o = rope_interleaved(o, pos, self.inv_freq, inverse=True, out=o)  # o is the attention's fresh output
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
 
@@ -538,7 +542,8 @@ class Attention(nn.Module):
         against each request's keys, read in place from ``pool`` [blocks, R, Dh] through ``tables`` [rows, nblk]
         -> [rows, 1, nblk x R] fp32."""
         ix = self.indexer
-        qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, self.inv_freq)
+        qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
+        qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
         if self.fake_quant:
             qi = fake_quant_e2m1(qi, 32, "ue8m0")
         weights = ix.weights_proj(x).float() * ix.n_heads**-0.5

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows
+from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows, check_row_vector
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -49,18 +49,25 @@ def grouped_gemm(
     w: torch.Tensor,
     expert_offsets: torch.Tensor,
     *,
+    row_index: torch.Tensor | None = None,
     fuse_swiglu: bool = False,
     swiglu_limit: float | None = None,
     row_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Contiguous grouped GEMM: for every expert e and row r in [off[e], off[e+1]): y[r] = x[r] . W_e^T in fp32.
+    """Contiguous grouped GEMM: for every expert e and row r in [off[e], off[e+1]): y[r] = x[r] . W_e^T in fp32
+    (x[row_index[r]] with ``row_index``).
 
     Then, with ``fuse_swiglu``: h[r] = swiglu_clamp(y[r, :N/2], y[r, N/2:], swiglu_limit) (gate = first half of
     the rows of W, up = second half, as ``moe_experts``' w13); then h[r] *= row_scale[r] when given.
 
     Args:
         x: [R, K] bfloat16 / float16 / float32, rows sorted by expert. Never rounded: see the module docstring.
+            With ``row_index``: [R_in, K] in any row order (token-major: the MoE input as it is).
+        row_index: None, or [R] integer rows of x in [0, R_in) (not validated on the device): row r of the sorted
+            layout reads x[row_index[r]], so a prefill's gate/up GEMM reads the tokens in place instead of a
+            sorted copy of them (``moe_permute``'s x[order // k]: R x K more bytes written and read). Same bits as
+            the sorted copy.
         w: [E, N, K] bfloat16 or float32 (``moe_experts``' w13 [E, 2I, d] or w2 [E, d, I]).
         expert_offsets: [E + 1] integer, non-decreasing, off[0] = 0, off[E] = R (``moe_permute``). Not
             validated on the device (that would synchronise); rows outside [0, off[E]) are left unwritten.
@@ -75,10 +82,13 @@ def grouped_gemm(
     """
     op = "grouped_gemm"
     _check(op, x, w, fuse_swiglu, out_dtype)
-    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, x.shape[0])
+    rows = row_index.shape[0] if row_index is not None and row_index.dim() == 1 else x.shape[0]
+    check_row_vector(op, row_index, "row_index", rows, integer=True)
+    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, rows)
+    kw = {} if row_index is None else {"row_index": row_index}  # backends without row_index still serve the rest
     return dispatch(
         op, x.device, x, w, expert_offsets,
-        fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
+        fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype, **kw,
     )  # fmt: skip
 
 

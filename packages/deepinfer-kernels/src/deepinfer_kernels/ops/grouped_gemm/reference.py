@@ -23,11 +23,19 @@ def _expert_rows(x32, w, e, rows, fuse_swiglu, swiglu_limit, row_scale):
 
 @register_reference("grouped_gemm")
 def grouped_gemm_ref(
-    x, w, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
+    x,
+    w,
+    expert_offsets,
+    *,
+    fuse_swiglu=False,
+    swiglu_limit=None,
+    row_scale=None,
+    out_dtype=torch.bfloat16,
+    row_index=None,
 ):
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
-    out = torch.zeros(x.shape[0], n_out, dtype=torch.float32, device=x.device)
-    x32 = x.float()
+    x32 = (x if row_index is None else x[row_index.long()]).float()
+    out = torch.zeros(x32.shape[0], n_out, dtype=torch.float32, device=x.device)
     offs = expert_offsets.tolist()
     for e in range(w.shape[0]):
         lo, hi = offs[e], offs[e + 1]

@@ -6,7 +6,7 @@ BLOCK_K steps in order and applies the epilogue (clamped SwiGLU, row scale) befo
 
 * contiguous (prefill): the tile list (expert, first row, end row) is built on the device from the offsets
   (``grouped_tiles.expert_tile_schedule``: no host synchronisation); grid = ceil(R / BLOCK_M) + E tile slots,
-  empty slots return at once;
+  empty slots return at once; with ``row_index`` a tile reads its input rows through it (the tokens in place);
 * gather (decode): tile p holds the single row p in its first lane (the other lanes are masked off, so the
   weight bytes, not the padded MMA rows, bound the time) and reads its input row through ``row_index``.
 
@@ -98,6 +98,8 @@ def _grouped_kernel(
         out_rows = tl.load(tile_r0_ptr + tile).to(tl.int64) + lane
         m_ok = out_rows < tl.load(tile_r1_ptr + tile)
         in_rows = out_rows
+        if HAS_INDEX:  # the sorted row's input row, read in place
+            in_rows = tl.load(index_ptr + out_rows, mask=m_ok, other=0).to(tl.int64)
     if e >= 0:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N_OUT
@@ -180,10 +182,11 @@ def _out(rows, w, fuse_swiglu, out_dtype, device):
 
 
 def grouped_gemm_triton(
-    x, w, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
-):
-    """Contiguous layout (see module docstring)."""
-    rows = x.shape[0]
+    x, w, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16,
+    row_index=None,
+):  # fmt: skip
+    """Contiguous layout (see module docstring); with ``row_index`` the tiles read their rows of x in place."""
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
     out = _out(rows, w, fuse_swiglu, out_dtype, x.device)
     if rows == 0 or out.shape[1] == 0:
         return out
@@ -192,7 +195,8 @@ def grouped_gemm_triton(
     cfg = _grouped_cfg(w.dtype, rows, w.shape[0])
     tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["BLOCK_M"])
     rs = row_scale.contiguous() if row_scale is not None else None
-    _launch(x.contiguous(), w.contiguous(), out, rs, tile_e, tile_r0, tile_r1, None, slots, False, cfg,
+    idx = row_index.contiguous() if row_index is not None else None
+    _launch(x.contiguous(), w.contiguous(), out, rs, tile_e, tile_r0, tile_r1, idx, slots, False, cfg,
             fuse_swiglu, swiglu_limit)  # fmt: skip
     return out
 

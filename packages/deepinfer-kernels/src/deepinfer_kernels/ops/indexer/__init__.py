@@ -37,13 +37,21 @@ def _check_count(fn: str, name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{fn}: {name} must be an int >= {minimum}, got {value!r}")
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    softmax_scale: float,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """I[b,s,n] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,n]) * softmax_scale, in fp32.
 
     Operation order (fixed, so fp32 results agree with transformers' DeepseekV4IndexerScorer to
     ~1e-6): fp32 dot products, ReLU, times ``softmax_scale``, times the head weight, sum over heads.
-    No visibility masking here: invisible entries get ordinary scores; ``indexer_topk`` and
-    ``candidate_block_mask`` apply ``visible``.
+    Without ``visible`` every entry gets its score (``indexer_topk`` and ``candidate_block_mask`` apply
+    visibility). With ``visible`` [B, S] int64 (the same lengths those take, clamped to [0, N]), entries
+    n >= visible[b, s] are -inf instead, which both treat as invisible, and backends may skip computing them:
+    a causal prefill's queries see about half the keys.
 
     Args:
         q: [B, S, H, Dh] indexer queries (after RoPE and any FP4 simulation), any float dtype;
@@ -72,7 +80,11 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, soft
         raise ValueError(f"{fn}: k shape {tuple(k.shape)} must be [B={b}, N, Dh={dh}] to match q")
     if weights.shape != (b, s, h):
         raise ValueError(f"{fn}: weights shape {tuple(weights.shape)} must be [B, S, H] = {(b, s, h)}")
-    return dispatch(fn, q.device, q, k, weights, float(softmax_scale))
+    if visible is not None and (visible.shape != (b, s) or visible.dtype != torch.int64):
+        raise ValueError(f"{fn}: visible must be int64 [B, S] = {(b, s)}, got {visible.dtype}{tuple(visible.shape)}")
+    if visible is None:
+        return dispatch(fn, q.device, q, k, weights, float(softmax_scale))
+    return dispatch(fn, q.device, q, k, weights, float(softmax_scale), visible)
 
 
 def indexer_scores_paged(

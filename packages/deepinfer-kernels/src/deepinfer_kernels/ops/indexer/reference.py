@@ -24,7 +24,9 @@ _SCORES_CHUNK_BYTES = 64 << 20
 
 
 @register_reference("indexer_scores")
-def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def indexer_scores_ref(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None = None
+) -> torch.Tensor:
     # The trained model's operation order (transformers' V4 scorer): per-head dot products in fp32,
     # ReLU, times the softmax scale, times the per-head weight, sum over heads. Unlike the scorer's
     # matmul, the dot products are elementwise products summed over Dh, and the head sum a sum over
@@ -49,6 +51,9 @@ def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
                 logits = (qc.unsqueeze(1) * kc[None, :, None, :]).sum(dim=-1)  # [sq, nk, H]
                 logits = torch.relu(logits) * softmax_scale
                 out[bi, s0 : s0 + queries_per_chunk, n0 : n0 + keys_per_chunk] = (logits * wc).sum(dim=-1)
+    if visible is not None:
+        hidden = torch.arange(n, device=out.device) >= visible.to(out.device).clamp(0, n).unsqueeze(-1)
+        out.masked_fill_(hidden, _NEG_INF)
     return out
 
 

@@ -88,16 +88,21 @@ def moe_route_hash(
     scoring: str = "sqrtsoftplus",
     norm_topk: bool = True,
     norm_eps: float = 1e-20,
+    check_ranges: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hash routing (V4 layers 0-2): experts = tid2eid[input_ids]; no bias. The weights are the
     learned scores gathered at those experts, normalised and scaled exactly as ``moe_route_topk``.
 
     Args:
         logits: [T, E]; tid2eid: [V, k] integer table (``gate.tid2eid``); input_ids: [T] integer.
+        check_ranges: read the token ids and the picked table entries back to check their ranges (a host
+            synchronisation on a GPU: the queue drains and the device idles until the host catches up). False
+            for callers that checked the table once and the token ids at admission (the models, under the
+            engine); the checks are skipped anyway while a CUDA graph is captured.
 
     Returns:
         (weights [T, k] fp32, experts [T, k] int64, in table order). Token ids outside the table
-        or table entries outside [0, E) raise ValueError.
+        or table entries outside [0, E) raise ValueError (with ``check_ranges``).
     """
     _check_logits(logits, "moe_route_hash")
     _check_scoring(scoring, "moe_route_hash")
@@ -120,6 +125,7 @@ def moe_route_hash(
         scoring=scoring,
         norm_topk=norm_topk,
         norm_eps=norm_eps,
+        check_ranges=check_ranges,
     )
 
 
@@ -288,6 +294,7 @@ from . import swiglu_linear as _swiglu_linear  # noqa: F401, E402  (registers th
 
 try:  # the GPU backends of the dense path and the router register themselves when Triton imports
     from . import route_triton as _route_triton  # noqa: F401
+    from . import swiglu_triton as _swiglu_triton  # noqa: F401
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass

@@ -66,11 +66,12 @@ def moe_route_hash_ref(
     scoring: str = "sqrtsoftplus",
     norm_topk: bool = True,
     norm_eps: float = 1e-20,
+    check_ranges: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, scoring)
-    # the range checks read the device: skipped while a CUDA graph is captured (token ids are checked at
-    # admission by the engine, the table in every eager call)
-    check = not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
+    # the range checks read the device: skipped when the caller checked the table once and the token ids at
+    # admission (check_ranges=False), and while a CUDA graph is captured
+    check = check_ranges and not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
     if check and input_ids.numel():
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= tid2eid.shape[0]:

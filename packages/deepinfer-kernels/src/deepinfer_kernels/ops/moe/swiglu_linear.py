@@ -22,14 +22,19 @@ from .reference import swiglu_clamp_ref, swiglu_mlp_ref
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def swiglu_mlp_linear(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float | None
-) -> torch.Tensor:
+def swiglu_mlp_gemms(x, w1, w3, w2, swiglu_limit: float | None, act) -> torch.Tensor:
+    """gate / up GEMMs writing fp32, ``act(gate, up, limit)`` -> the hidden rows in x.dtype, the down GEMM; the
+    reference when x or a weight is not 16-bit (or the dtypes differ)."""
     if x.dtype not in _HALF or any(w.dtype != x.dtype for w in (w1, w3, w2)):
         return swiglu_mlp_ref(x, w1, w3, w2, swiglu_limit=swiglu_limit)
     f32 = torch.float32
-    h = swiglu_clamp_ref(linear(x, w1, out_dtype=f32), linear(x, w3, out_dtype=f32), swiglu_limit)
-    return linear(h.to(x.dtype), w2)
+    return linear(act(linear(x, w1, out_dtype=f32), linear(x, w3, out_dtype=f32), swiglu_limit), w2)
+
+
+def swiglu_mlp_linear(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float | None
+) -> torch.Tensor:
+    return swiglu_mlp_gemms(x, w1, w3, w2, swiglu_limit, lambda g, u, limit: swiglu_clamp_ref(g, u, limit).to(x.dtype))
 
 
 register_backend(

@@ -3,8 +3,8 @@ no host synchronisation and no copies of expert weights.
 
 * few (token, slot) rows (decode; ``gather_layout``): ``grouped_gemm_gather`` for gate/up (each row reads
   x[token] and its expert's weights) then for the down projection, in (token, slot) order;
-* many rows (prefill): ``moe_permute`` (rows sorted by expert, on the device), ``grouped_gemm`` for gate/up
-  and down;
+* many rows (prefill): ``moe_sort`` (the (token, slot) rows sorted by expert, on the device), ``grouped_gemm``
+  for gate/up reading each sorted row's token in place (``row_index``), and for down;
 
 then ``moe_unpermute`` sums each token's k rows in slot order (fp32) and casts to x.dtype once. The gate/up
 GEMM fuses the clamped SwiGLU and the routing weight (before the down projection, as the reference). With bf16
@@ -47,7 +47,7 @@ def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
 def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
     # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref)
     from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
-    from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+    from deepinfer_kernels.ops.moe_permute import moe_sort, moe_unpermute
 
     dense = (torch.bfloat16, torch.float32)
     if w13.dtype not in dense or w2.dtype not in dense or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -69,10 +69,11 @@ def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
         )  # fmt: skip
         y = grouped_gemm_gather(h, w2, flat_e, out_dtype=f32)
         return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
-    xs, order, offsets = moe_permute(x, experts, num_experts)
-    h = grouped_gemm(
-        xs, w13, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w[order], out_dtype=hidden
-    )
+    order, offsets = moe_sort(experts, num_experts)
+    h = grouped_gemm(  # the sorted rows read the tokens in place (no sorted copy of x)
+        x, w13, offsets, row_index=order // k, fuse_swiglu=True, swiglu_limit=swiglu_limit,
+        row_scale=flat_w[order], out_dtype=hidden,
+    )  # fmt: skip
     y = grouped_gemm(h, w2, offsets, out_dtype=f32)
     return moe_unpermute(y, order, t, None, out_dtype=x.dtype)
 

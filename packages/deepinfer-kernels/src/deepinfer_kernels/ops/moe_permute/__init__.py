@@ -11,6 +11,17 @@ from deepinfer_kernels.registry import dispatch
 from . import reference as _reference  # noqa: F401  (registers the references)
 
 
+def moe_sort(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sort of ``moe_permute`` without moving rows: (order [T * k] int64, expert_offsets [E + 1] int64), as
+    ``moe_permute`` returns them. For a grouped GEMM that reads each sorted row of x in place (``row_index`` =
+    order // k) instead of a sorted copy of x."""
+    if experts.dim() != 2 or experts.is_floating_point():
+        raise ValueError(f"moe_sort: experts must be integer [T, k], got {experts.dtype}{tuple(experts.shape)}")
+    if num_experts < 1:
+        raise ValueError(f"moe_sort: num_experts must be positive, got {num_experts}")
+    return dispatch("moe_sort", experts.device, experts, num_experts)
+
+
 def moe_permute(
     x: torch.Tensor, experts: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,14 +8,19 @@ import torch
 from deepinfer_kernels.registry import register_reference
 
 
-@register_reference("moe_permute")
-def moe_permute_ref(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
-    k = experts.shape[1]
+@register_reference("moe_sort")
+def moe_sort_ref(experts: torch.Tensor, num_experts: int):
     flat = experts.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     # offsets[e] = number of ids below e (bincount would size its output from a host read of the largest id)
     offsets = torch.searchsorted(flat[order], torch.arange(num_experts + 1, device=flat.device))
-    return x[order // k], order, offsets
+    return order, offsets
+
+
+@register_reference("moe_permute")
+def moe_permute_ref(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    order, offsets = moe_sort_ref(experts, num_experts)
+    return x[order // experts.shape[1]], order, offsets
 
 
 def inverse_order(order: torch.Tensor) -> torch.Tensor:

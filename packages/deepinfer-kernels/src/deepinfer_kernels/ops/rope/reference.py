@@ -7,7 +7,12 @@ from deepinfer_kernels.registry import register_reference
 
 @register_reference("rope_interleaved")
 def rope_interleaved_ref(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     half = inv_freq.shape[0]
     rope_dim = 2 * half
@@ -24,4 +29,9 @@ def rope_interleaved_ref(
     out_a = a * cos - b * sin
     out_b = b * cos + a * sin
     rotated = torch.stack((out_a, out_b), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+    if out is None:
+        return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+    if out is not x:
+        out[..., : x.shape[-1] - rope_dim].copy_(x[..., :-rope_dim])
+    out[..., x.shape[-1] - rope_dim :].copy_(rotated)
+    return out

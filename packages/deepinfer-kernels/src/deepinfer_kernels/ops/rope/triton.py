@@ -1,8 +1,9 @@
 """Triton interleaved RoPE: one launch per call, any number of middle dims (CUDA backend ``triton``).
 
 Layout: x [T, ..., D] is viewed as [T, H, D] (H = product of the middle dims, 1 for [T, D]) with a contiguous
-last dim (``reshape``; a copy only when the middle dims cannot be flattened); the output is a new contiguous
-tensor. A program owns a [BLOCK_T, BLOCK_H] tile of rows: it copies the D - R leading channels, computes
+last dim (a copy only when the middle dims cannot be flattened); the output is a new contiguous tensor or
+``out`` (any strides that view as [T, H, D]). With ``out=x`` the kernel runs in place and skips the D - R
+leading channels. A program owns a [BLOCK_T, BLOCK_H] tile of rows: it copies the D - R leading channels, computes
 cos / sin of ``float(position) * inv_freq`` once per token (shared by the tile's heads) and rotates the
 adjacent pairs of the trailing R channels in fp32.
 
@@ -40,8 +41,8 @@ MAX_NOPE_BLOCK = 1024  # widest chunk of pass-through channels copied at once
 @triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, y_ptr,
-    T, H, D, HALF, x_stride_t, x_stride_h,
-    INVERSE: tl.constexpr, LIBDEVICE: tl.constexpr,
+    T, H, D, HALF, x_stride_t, x_stride_h, y_stride_t, y_stride_h,
+    INVERSE: tl.constexpr, LIBDEVICE: tl.constexpr, COPY_NOPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -49,14 +50,15 @@ def _rope_kernel(
     t_ok = t < T
     row_ok = (t_ok[:, None] & (h < H)[None, :])[:, :, None]  # [BLOCK_T, BLOCK_H, 1]
     x_row = (x_ptr + t[:, None] * x_stride_t + h[None, :] * x_stride_h)[:, :, None]
-    y_row = (y_ptr + (t[:, None] * H + h[None, :]) * D)[:, :, None]
+    y_row = (y_ptr + t[:, None] * y_stride_t + h[None, :] * y_stride_h)[:, :, None]
 
-    # the leading D - R channels pass through unchanged
+    # the leading D - R channels pass through unchanged (already in place when y is x)
     nope = D - 2 * HALF
-    c = tl.arange(0, BLOCK_NOPE)[None, None, :]
-    for c0 in range(0, nope, BLOCK_NOPE):
-        m = row_ok & (c0 + c < nope)
-        tl.store(y_row + c0 + c, tl.load(x_row + c0 + c, mask=m), mask=m)
+    if COPY_NOPE:
+        c = tl.arange(0, BLOCK_NOPE)[None, None, :]
+        for c0 in range(0, nope, BLOCK_NOPE):
+            m = row_ok & (c0 + c < nope)
+            tl.store(y_row + c0 + c, tl.load(x_row + c0 + c, mask=m), mask=m)
 
     # angle = float(position) * inv_freq in fp32, cos / sin once per token
     j = tl.arange(0, BLOCK_HALF)
@@ -84,38 +86,58 @@ def _rope_kernel(
     tl.store(y_row + nope + r, out.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _config(h: int, d: int, half: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_H, BLOCK_NOPE, BLOCK_HALF) from (H, D, R/2) only: never from T."""
-    row = triton.next_power_of_2(d)
+def _config(h: int, d: int, half: int, in_place: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_NOPE, BLOCK_HALF) from (H, D, R/2) only: never from T. In place a row is its R
+    trailing channels only."""
+    row = triton.next_power_of_2(2 * half if in_place else d)
     block_h = min(triton.next_power_of_2(h), max(1, TILE_ELEMS // row))
     block_t = max(1, TILE_ELEMS // (row * block_h))
     block_nope = min(triton.next_power_of_2(max(d - 2 * half, 1)), MAX_NOPE_BLOCK)
     return block_t, block_h, block_nope, triton.next_power_of_2(half)
 
 
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor | None:
+    """t [T, ..., D] as a [T, H, D] view with a contiguous last dim, or None when no such view exists."""
+    try:
+        v = t.view(t.shape[0], h, t.shape[-1])
+    except RuntimeError:
+        return None
+    return v if v.stride(-1) == 1 else None
+
+
 def rope_interleaved_triton(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``rope_interleaved`` in one Triton launch (see the module docstring for numerics)."""
+    """``rope_interleaved`` in one Triton launch (see the module docstring for numerics). With ``out=x`` only the
+    trailing R channels are read and written."""
     if x.dim() < 2:
         raise ValueError(f"rope triton: x must be [T, ..., D], got {tuple(x.shape)}")
     t, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
     freq = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     require_same_device(x, positions, freq)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if y.numel() == 0:
         return y
     if half == 0:
-        return y.copy_(x)
+        return y if y is x else y.copy_(x)
     h = math.prod(x.shape[1:-1])
-    x3 = x.reshape(t, h, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    block_t, block_h, block_nope, block_half = _config(h, d, half)
+    y3 = _rows(y, h)
+    if y3 is None:  # an out without a [T, H, D] view: compute into a fresh tensor, then copy
+        return y.copy_(rope_interleaved_triton(x, positions, inv_freq, inverse))
+    in_place = y is x
+    x3 = y3 if in_place else _rows(x, h)
+    if x3 is None:
+        x3 = x.reshape(t, h, d).contiguous()
+    block_t, block_h, block_nope, block_half = _config(h, d, half, in_place)
     grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_h))
     _rope_kernel[grid](
-        x3, positions.contiguous(), freq, y, t, h, d, half, x3.stride(0), x3.stride(1),
-        INVERSE=bool(inverse), LIBDEVICE=not interpreting(),
+        x3, positions.contiguous(), freq, y3, t, h, d, half, x3.stride(0), x3.stride(1), y3.stride(0), y3.stride(1),
+        INVERSE=bool(inverse), LIBDEVICE=not interpreting(), COPY_NOPE=not in_place,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half,
         num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
     )  # fmt: skip

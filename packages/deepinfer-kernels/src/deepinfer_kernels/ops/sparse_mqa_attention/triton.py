@@ -178,10 +178,10 @@ def launch(
 # (V4.1 shapes: 64 heads of 512, 640 entries per query).
 INVARIANT_TILE = (32, 64, 8, 2)  # one config for every T: the tiles shape a row's arithmetic
 DECODE_TILE = (32, 64, 8, 2)
-# 64 heads per program (each gathered row is read once per query) once the rows alone fill the SMs: prefill 8K
-# 3.99 ms (4.37 with one stage), decode batch 256 158 us against 201 us with DECODE_TILE; batch 64 keeps
-# DECODE_TILE (58 us against 82)
-WIDE_TILE = (64, 32, 8, 2)
+# 64 heads per program (each gathered row is read once per query) once the rows alone fill the SMs, 64 rows a step
+# in one stage: prefill 8K 3.29 ms (3.98 with 32 rows in 2 stages, 4.37 in 1), decode batch 256 142 us (158, and
+# 201 with DECODE_TILE); batch 64 keeps DECODE_TILE (58 us against 82). H200 sweeps, sessions 6 and 7.
+WIDE_TILE = (64, 64, 8, 1)
 
 
 def _run(q, kv, indices, sinks, scale, split, tile):
