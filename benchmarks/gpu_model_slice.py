@@ -317,10 +317,9 @@ def rand_ids(n: int, dev, gen) -> torch.Tensor:
 
 def prefill(model, arch, caches, prompts, chunk: int, dev) -> None:
     """Prefill each request's prompt; steps of at most ``chunk`` tokens (longer prompts chunked alone)."""
-    last = torch.tensor([0], device=dev)
 
     def step(chunks, cs, lens):
-        rows = [last.new_tensor([c.shape[0] - 1]) for c in chunks]
+        rows = [torch.tensor([c.shape[0] - 1]) for c in chunks]  # host tensors, as the engine passes them
         if arch == "v4.1":
             model.forward_step(chunks, cs, prompt_lens=lens, logit_rows=rows)
         else:

@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepinfer_kernels import (
-    grouped_linear,
     indexer_scores,
     indexer_topk,
     mhc_same_site_sublayer,
-    rms_norm,
     rope_interleaved,
     sparse_mqa_attention,
 )
@@ -44,10 +42,8 @@ def _attention(
     cfg = attn.cfg
     u_all = gather_in_order(u, owned, group)  # [S, d], positions 0 .. S-1 of this chunk
     pos_all = torch.arange(u_all.shape[0], device=u.device)  # a fresh request: the chunk starts at 0
-    qr = attn.q_norm(attn.wq_a(u))
-    q = attn.wq_b(qr).view(-1, attn.n_heads, attn.head_dim)
-    q = rope_interleaved(rms_norm(q, None, cfg.rms_norm_eps), pos, attn.inv_freq)
-    kv = rope_interleaved(attn.kv_norm(attn.wkv(u_all)), pos_all, attn.inv_freq)
+    qr, q = attn.query(u, pos)
+    kv = attn.window_kv(u_all, pos_all)
     win = cfg.sliding_window
     rows, base = cache.append_window(kv, win, int(pos_all[0]))
     key_pos = pos[:, None] - win + 1 + torch.arange(win, device=u.device)
@@ -58,19 +54,18 @@ def _attention(
         if attn.kind == CSA:
             ix = attn.indexer
             keys = ix.compressor(u_all, pos_all, cache.indexer, attn.inv_freq)
-            qi = rope_interleaved(ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim), pos, attn.inv_freq)
+            qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
+            qi = rope_interleaved(qi, pos, attn.inv_freq, out=qi)
             weights = ix.weights_proj(u).float() * ix.n_heads**-0.5
-            scores = indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5)
-            picked = indexer_topk(scores, ((pos + 1) // ix.ratio)[None], ix.topk)[0]
+            visible = ((pos + 1) // ix.ratio)[None]
+            scores = indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5, visible)
+            picked = indexer_topk(scores, visible, ix.topk)[0]
         else:  # HCA: every complete window is visible
             ids = torch.arange(entries.shape[0], device=u.device)
             picked = torch.where(ids[None] < ((pos + 1) // attn.compressor.ratio)[:, None], ids[None], -1)
         idx = torch.cat([idx, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
         kv_all = torch.cat([rows, entries.to(rows.dtype)])
-    o = sparse_mqa_attention(q, kv_all, idx, attn.attn_sink, attn.head_dim**-0.5)
-    o = rope_interleaved(o, pos, attn.inv_freq, inverse=True)
-    o = grouped_linear(o.reshape(o.shape[0], cfg.o_groups, -1), attn.wo_a.weight)
-    return attn.wo_b(o.flatten(1))
+    return attn.output(sparse_mqa_attention(q, kv_all, idx, attn.attn_sink, attn.head_dim**-0.5), pos)
 
 
 @torch.no_grad()
