@@ -274,7 +274,7 @@ class Gate(nn.Module):
         self.weight = param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
-            self._checked_table: tuple[int, int] | None = None  # (storage, version) of the table last range-checked
+            self._checked_table: tuple | None = None  # (object, storage, version) of the table last range-checked
         else:
             self.bias = param(cfg.n_routed_experts, dtype=torch.float32)
 
@@ -286,7 +286,7 @@ class Gate(nn.Module):
         if self.is_hash:
             # the range checks read the device (a sync mid-forward on a GPU): once per table (a loaded or replaced
             # table is checked on its first use); token ids are checked at admission, and the embedding reads them first
-            table = (self.tid2eid.data_ptr(), self.tid2eid._version)
+            table = (id(self.tid2eid), self.tid2eid.data_ptr(), self.tid2eid._version)
             check = not logits.is_cuda or table != self._checked_table
             out = moe_route_hash(logits, self.tid2eid, input_ids, check_ranges=check, **kw)
             self._checked_table = table
