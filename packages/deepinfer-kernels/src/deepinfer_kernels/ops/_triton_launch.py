@@ -1,4 +1,4 @@
-"""Shared plumbing of the Triton backends: the availability probe and the interpreter check.
+"""Shared plumbing of the Triton backends: the availability probe, the SM count and the interpreter check.
 
 Backends register for "cuda" only, but their launchers accept CPU tensors too, which Triton runs in
 its interpreter when ``TRITON_INTERPRET=1`` was set before triton was first imported. The interpreter
@@ -20,6 +20,19 @@ def triton_cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (1 for a CPU tensor's device, the interpreter's): what the
+    launchers compare their grid sizes with. Probed once per device."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreting() -> bool:

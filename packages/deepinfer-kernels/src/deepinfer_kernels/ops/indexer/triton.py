@@ -19,13 +19,11 @@ mask written into the scores as -inf. Its tie rule (lower index wins) is one of 
 contract leaves open; exact, hence batch-invariant.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, sm_count, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from ..topk_select.triton import topk_select_triton
@@ -92,11 +90,6 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch(q, k, tables, rpb: int, weights, softmax_scale: float, n: int, visible=None) -> torch.Tensor:
     """Both ops' launch: k [B, N, Dh] (``tables`` None, ``rpb`` 0) or a pool [blocks, rpb, Dh] read through
     ``tables`` [B, nblk] (N = nblk * rpb). ``visible`` [B, S] int64 or None (see ``indexer_scores``)."""
@@ -117,8 +110,7 @@ def _launch(q, k, tables, rpb: int, weights, softmax_scale: float, n: int, visib
     # keys per program: one tile while the query blocks alone leave SMs idle (decode), else SPAN_TILES tiles, so a
     # program's queries are loaded once for many keys. A score's arithmetic does not depend on it (one dot per tile)
     query_blocks = triton.cdiv(s, block_s) * b
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 1
-    span = BLOCK_N * (SPAN_TILES if query_blocks >= 2 * sms else 1)
+    span = BLOCK_N * (SPAN_TILES if query_blocks >= 2 * sm_count(q.device) else 1)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (triton.cdiv(s, block_s), triton.cdiv(n, span), b)
     _indexer_scores_kernel[grid](

@@ -21,13 +21,11 @@ T alone cannot fill the GPU. P is rounded to the KV dtype for the P V product (b
 model), as in FlashAttention; accuracy vs the fp32 reference is ~1e-3 relative for bf16.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, sm_count, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 INVARIANT_SPLIT = 256  # entries per split of the invariant backend (V4.1: 640 entries -> 3 splits)
@@ -191,11 +189,6 @@ def _run(q, kv, indices, sinks, scale, split, tile):
     )
 
 
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index is not None else 1
-
-
 def sparse_mqa_attention_triton(q, kv, indices, sinks, scale):
     """Batch-invariant: always the same split of the index list and the same tiles, whatever T is."""
     return _run(q, kv, indices, sinks, scale, INVARIANT_SPLIT, INVARIANT_TILE)
@@ -206,7 +199,7 @@ def sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale):
     program once the rows fill the SMs (prefill, large decode batches). Not batch-invariant: a row's bits depend
     on T through these choices."""
     t, h = q.shape[0], q.shape[1]
-    sms = _sm_count(q.device.index if q.is_cuda else None)
+    sms = sm_count(q.device)
     if t >= sms:
         return _run(q, kv, indices, sinks, scale, None, WIDE_TILE)
     if 2 * t * triton.cdiv(h, DECODE_TILE[0]) >= sms:  # H200 sweep: one pass wins from about batch 64
