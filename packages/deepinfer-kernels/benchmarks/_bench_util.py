@@ -18,6 +18,30 @@ def bench_ms(fn, *args, **kwargs) -> float:
     return float(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median"))
 
 
+def graph_us(fn, reps: int = 20) -> float:
+    """Device microseconds per call of ``fn()`` replayed from a CUDA graph of ``reps`` back-to-back calls (median
+    of 15 replays): a decode step's view of a small kernel, without the host's launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
 def wall_us(fn, *args, calls: int = 100) -> float:
     """Host wall time per call (us) of ``calls`` back-to-back calls, synchronised once at the end (what a
     launch-bound caller pays, unlike ``bench_ms``'s device time)."""

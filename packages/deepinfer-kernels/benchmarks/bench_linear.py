@@ -6,6 +6,9 @@ Measures the ceilings in the same run (copy GB/s, bf16 matmul TFLOP/s at 8192^3)
 M in decode (1, 8, 64, 256) and prefill (4096, 8192) sizes: the reference (16-row tiles, one F.linear each),
 ``cublas`` (one F.linear) and ``triton_fixed`` (batch-invariant). Prints TFLOP/s, GB/s (bytes of x, W and y
 once) and % of the ceilings; appends JSON lines to benchmarks/results/linear.jsonl; a short table last.
+
+``--decode``: the decode-size projections of V4 / V4.1 at 1, 2 and 8 rows, replayed from CUDA graphs (a step's
+view: no launch overhead), ``triton_skinny`` (the default backend there) against cuBLAS, with GB/s of the weight.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us, matmul_ceiling_tflops  # noqa: E402
 from deepinfer_kernels.ops.linear.cublas import linear_cublas  # noqa: E402
 from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
 from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
+from deepinfer_kernels.ops.linear.triton_skinny import linear_skinny, serves  # noqa: E402
 
 # (name, N, K, activation dtype): V4.1-Flash dense projections (hidden 5120) in bf16, router and head in fp32
 SHAPES = [
@@ -59,9 +63,45 @@ def bench_case(rec, ceil, name, m, n, k, dtype) -> dict:
     return row
 
 
+# (name, N, K, fp32 output): decode projections of V4 (hidden 4096) and V4.1 (5120) served by triton_skinny
+DECODE_SHAPES = [
+    ("v4 wq_a", 1024, 4096, False),
+    ("v4 wkv", 512, 4096, False),
+    ("v4 compressor", 1024, 4096, True),
+    ("v4 index compressor", 256, 4096, True),
+    ("v4 index weights", 64, 4096, False),
+    ("v4 csa compressor", 2048, 4096, True),
+    ("v41 wq_a", 1280, 5120, False),
+    ("v41 wkv", 512, 5120, False),
+    ("v41 index compressor", 384, 5120, True),
+    ("v41 compressor", 2304, 5120, True),
+]
+
+
+def decode_table(rec, ceil) -> None:
+    print("\n== decode projections, CUDA graphs (us; GB/s and % of copy for the weight stream)")
+    cols = ["shape", "M", "cublas_us", "skinny_us", "speedup", "skinny_GBps", "skinny_%copy"]
+    print("  ".join(f"{c:>20}" for c in cols))
+    for name, n, k, f32 in DECODE_SHAPES:
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        for m in (1, 2, 8):
+            if not serves(m, n):
+                continue
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            out = torch.float32 if f32 else None
+            cub = graph_us(lambda x=x, w=w, out=out: linear_cublas(x, w, out))
+            ski = graph_us(lambda x=x, w=w, out=out: linear_skinny(x, w, out))
+            gbs = n * k * 2 / ski / 1e3
+            row = {"shape": name, "M": m, "cublas_us": cub, "skinny_us": ski, "speedup": cub / ski, "skinny_GBps": gbs,
+                   "skinny_%copy": 100 * gbs / ceil["copy_GBps"]}  # fmt: skip
+            rec.add(kind="decode", N=n, K=k, fp32_out=f32, **row)
+            print("  ".join(f"{row[c]:>20.4g}" if isinstance(row[c], float) else f"{row[c]:>20}" for c in cols))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
+    ap.add_argument("--decode", action="store_true", help="only the decode projections (triton_skinny vs cuBLAS)")
     args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
@@ -69,6 +109,9 @@ def main() -> None:
     print("ceilings:", {k: round(v, 1) for k, v in ceil.items()}, flush=True)
     rec = Recorder("linear")
     rec.add(kind="ceilings", **ceil)
+    if args.decode:
+        decode_table(rec, ceil)
+        return
     table = [bench_case(rec, ceil, name, m, n, k, dt) for name, n, k, dt in shapes for m in m_sizes]
     print("\n== linear (us; TFLOP/s and % of ceilings for triton_fixed)")
     cols = ["shape", "M", "reference_us", "cublas_us", "triton_fixed_us", "fixed_TFLOPs", "fixed_%bf16", "fixed_%copy"]

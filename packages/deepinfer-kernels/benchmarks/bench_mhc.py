@@ -2,7 +2,9 @@
 identity sublayer) with the Triton backends vs the plain-torch references, bf16 streams, n = 4, at the
 V4-Flash (d = 4096) and V4.1-Flash (d = 5120) widths, as GB/s and % of the device-to-device copy ceiling
 measured in the same run. The Triton rows also give each op's own time; for decode sizes the whole sublayer is
-timed again as one CUDA graph replay (``graph_us``), i.e. without the Python launch overhead.
+timed again as one CUDA graph replay (``graph_us``), i.e. without the Python launch overhead, with the
+batch-invariant coefficients and with the default ``triton_adaptive`` ones (``adaptive_graph_us``: the decode tiling
+up to 16 tokens).
 
 Bytes counted (the floor of the sublayer): coefficients read x and fn and write pre/post/comb; collapse reads
 x and pre and writes u; expand reads x, y (= u), post and comb and writes the new streams.
@@ -15,7 +17,12 @@ import torch
 import triton.testing
 from _bench_util import Recorder, bench_ms, copy_ceiling_gbs
 from deepinfer_kernels.ops.mhc.reference import mhc_coefficients_ref, mhc_collapse_ref, mhc_expand_ref
-from deepinfer_kernels.ops.mhc.triton import mhc_coefficients_triton, mhc_collapse_triton, mhc_expand_triton
+from deepinfer_kernels.ops.mhc.triton import (
+    mhc_coefficients_triton,
+    mhc_coefficients_triton_adaptive,
+    mhc_collapse_triton,
+    mhc_expand_triton,
+)
 
 N = 4
 EPS = (1e-6, 1e-6, 20)  # norm_eps, hc_eps, sinkhorn_iters
@@ -64,6 +71,8 @@ def main() -> None:
             if t <= GRAPH_MAX_T:
                 parts["graph_us"] = 1e3 * graph_ms(sublayer, *triton_ops, x, fn, base, scale)
                 parts["ref_graph_us"] = 1e3 * graph_ms(sublayer, *ref_ops, x, fn, base, scale)
+                adaptive = (mhc_coefficients_triton_adaptive, *triton_ops[1:])
+                parts["adaptive_graph_us"] = 1e3 * graph_ms(sublayer, *adaptive, x, fn, base, scale)
             gbs = nbytes / ms / 1e6
             rec.add(case="mhc_same_site", d=d, tokens=t, mbytes=nbytes / 1e6, us=ms * 1e3, gbs=gbs,
                     pct_ceiling=100 * gbs / ceiling, floor_us=nbytes / ceiling / 1e3, ref_us=ref_ms * 1e3,

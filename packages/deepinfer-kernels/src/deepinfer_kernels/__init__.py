@@ -4,7 +4,7 @@ reference that defines correct, plus GPU backends chosen through ``registry``.
 The op index (one import per public op):
 """
 
-from deepinfer_kernels.ops.cache_rows import paged_rows, ring_rows
+from deepinfer_kernels.ops.cache_rows import paged_rows, ring_rows, ring_scatter, scatter_rows
 from deepinfer_kernels.ops.engram import (
     compressed_token_map,
     engram_compress_ids,
@@ -74,6 +74,8 @@ __all__ = [
     "overlap_windows",
     "paged_rows",
     "ring_rows",
+    "ring_scatter",
+    "scatter_rows",
     "grouped_linear",
     "grouped_gemm",
     "grouped_gemm_gather",

@@ -1,16 +1,17 @@
-"""ring_rows / paged_rows: the references vs a straightforward Python loop over the contract (fresh random inputs:
--1 ids, positions before 0, rings that hold nothing yet, every > 1, offsets, ids past the table, empty shapes),
-the argument checks, and the Triton kernels vs the references (integers: exactly equal) under Triton's interpreter
-on CPU (one child process) and on CUDA at a decode step's sizes, also captured in a CUDA graph and replayed with
-new data."""
+"""ring_rows / paged_rows / scatter_rows / ring_scatter: the references vs a straightforward Python loop over the
+contract (fresh random inputs: -1 ids, positions before 0, rings that hold nothing yet, every > 1, offsets, ids past
+the table, empty shapes), the argument checks, and the Triton kernels vs the references (integers: exactly equal)
+under Triton's interpreter on CPU (one child process) and on CUDA at a decode step's sizes, also captured in a CUDA
+graph and replayed with new data. The row writes: the kernels against the references bitwise (copies and a
+round-to-nearest cast) at decode shapes on CUDA, and at small shapes in the interpreter (whose casts truncate)."""
 
 import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels import paged_rows, ring_rows
-from deepinfer_kernels.ops.cache_rows.reference import paged_rows_ref, ring_rows_ref
-from deepinfer_kernels.testing.compare import assert_bitwise
+from deepinfer_kernels import paged_rows, ring_rows, ring_scatter, scatter_rows
+from deepinfer_kernels.ops.cache_rows.reference import paged_rows_ref, ring_rows_ref, ring_scatter_ref, scatter_rows_ref
+from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
 
 
 def _ring_loop(pos, slots, first, capacity: int, n: int, every: int) -> torch.Tensor:
@@ -178,6 +179,67 @@ def _check_triton(ring_cases, paged_cases, device, seed):
             assert_bitwise(paged_rows_triton(ids[-1:], tables[-1:], r, offset), want[-1:], what)
 
 
+# --- row writes -----------------------------------------------------------------------------------------------
+
+
+def _write_inputs(b: int, slots_n: int, r: int, c: int, seed: int, device="cpu", rows_dtype=torch.float32):
+    """A ring buffer [S, R, C] bf16, B new rows (distinct slots: one request each), positions up to a few rings deep;
+    rows as a strided view (every other column of a wider tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(slots_n, r, c, generator=g).to(torch.bfloat16).to(device)
+    slots = torch.randperm(slots_n, generator=g)[:b].to(device)
+    pos = torch.randint(0, 5 * r, (b,), generator=g).to(device)
+    rows = torch.randn(b, 2 * c, generator=g).to(rows_dtype).to(device)[:, ::2]
+    return buf, rows, slots, pos
+
+
+def test_row_write_references_match_a_loop():
+    buf, rows, slots, pos = _write_inputs(5, 9, 6, 7, seed=1)
+    want = buf.clone()
+    for b in range(5):
+        want[slots[b], pos[b] % 6] = rows[b].to(torch.bfloat16)
+    got = buf.clone()
+    ring_scatter(got, rows, slots, pos)  # CPU: the reference
+    assert_bitwise(got, want, "ring_scatter")
+    flat = buf.clone().view(-1, 7)
+    index = slots * 6 + pos % 6
+    scatter_rows(flat, rows, index)
+    assert_bitwise(flat.view_as(buf), want, "scatter_rows")
+
+
+def test_row_write_argument_errors():
+    buf, rows, slots, pos = _write_inputs(3, 4, 5, 8, seed=2)
+    with pytest.raises(ValueError, match="rows"):
+        ring_scatter(buf, rows[:, :4], slots, pos)
+    with pytest.raises(ValueError, match="pos must be int64"):
+        ring_scatter(buf, rows, slots, pos.int())
+    with pytest.raises(ValueError, match="index must be int64 \\[3\\]"):
+        scatter_rows(buf.view(-1, 8), rows, slots[:2])
+    with pytest.raises(ValueError, match="3-D"):
+        ring_scatter(buf.view(-1, 8), rows, slots, pos)
+
+
+def _check_writes(cases, device, seed):
+    from deepinfer_kernels.ops.cache_rows.triton import ring_scatter_triton, scatter_rows_triton
+
+    for i, (b, slots_n, r, c, dtype) in enumerate(cases):
+        dtype = getattr(torch, dtype)
+        buf, rows, slots, pos = _write_inputs(b, slots_n, r, c, seed + i, device, dtype)
+        want, got = buf.clone(), buf.clone()
+        ring_scatter_ref(want, rows, slots, pos)
+        ring_scatter_triton(got, rows, slots, pos)
+        flat_want, flat_got = buf.clone().view(-1, c), buf.clone().view(-1, c)
+        index = slots * r + pos % r
+        scatter_rows_ref(flat_want, rows, index)
+        scatter_rows_triton(flat_got, rows, index)
+        for what, a, e in (("ring_scatter", got, want), ("scatter_rows", flat_got, flat_want)):
+            what = f"{what} B={b} R={r} C={c} {dtype}"
+            if device == "cpu" and dtype != buf.dtype:  # the interpreter's casts truncate: within 1 bf16 ulp
+                assert_rel_close(a.float(), e.float(), 2**-7, what)
+            else:
+                assert_bitwise(a, e, what)
+
+
 def _interp_cases(which: str):
     if which == "ring":
         _check_triton(RING_CASES + [(3, 40, 1500, 1), (2, 130, 128, 128)], [], "cpu", 1)
@@ -201,6 +263,10 @@ INTERP_CASES = {
     "ring-rows": ("_interp_cases", ("ring",)),
     "paged-rows": ("_interp_cases", ("paged",)),
     "strided-inputs": ("_interp_strided_inputs", ()),
+    "row-writes": (
+        "_check_writes",
+        ([(3, 5, 4, 40, "float32"), (1, 2, 3, 1100, "bfloat16"), (0, 2, 3, 8, "float32")], "cpu", 4),
+    ),
 }
 
 if importlib.util.find_spec("triton") is not None:
@@ -227,6 +293,16 @@ def test_gpu_matches_reference():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")
     _check_triton(GPU_RING, GPU_PAGED, "cuda", 3)
+    # row writes at decode sizes: windows (512 wide, bf16), compressor rings (fp32 rows of 1024 / 256), entries
+    _check_writes(
+        [
+            (b, 2 * b + 1, r, c, dt)
+            for b in (1, 64, 256)
+            for r, c, dt in ((130, 512, "bfloat16"), (8, 1024, "float32"), (256, 256, "float32"))
+        ],
+        "cuda",
+        5,
+    )
     from deepinfer_kernels import registry
     from deepinfer_kernels.ops.cache_rows.triton import paged_rows_triton, ring_rows_triton
 

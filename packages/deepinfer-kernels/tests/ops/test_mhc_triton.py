@@ -20,9 +20,11 @@ from deepinfer_kernels.ops.mhc.reference import (  # noqa: E402
 )
 from deepinfer_kernels.ops.mhc.triton import (  # noqa: E402
     mhc_coefficients_triton,
+    mhc_coefficients_triton_adaptive,
     mhc_collapse_triton,
     mhc_expand_triton,
     mhc_head_weights_triton,
+    mhc_head_weights_triton_adaptive,
 )
 from deepinfer_kernels.registry import list_ops, resolve, set_batch_invariant  # noqa: E402
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  # noqa: E402
@@ -71,12 +73,17 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
     n = x.shape[1]
     what = f"{x.dtype} T={x.shape[0]} n={n} d={x.shape[2]} eps={eps}"
     ref = mhc_coefficients_ref(x, *site, norm_eps, hc_eps, iters)
-    got = mhc_coefficients_triton(x, *site, norm_eps, hc_eps, iters)
-    for name, a, e in zip(("pre", "post", "comb"), got, ref, strict=True):
-        assert a.dtype == torch.float32
-        assert_rel_close(a, e, COEF_TOL, f"{name} {what}")
     h_ref = mhc_head_weights_ref(x, *head, norm_eps, hc_eps)
-    assert_rel_close(mhc_head_weights_triton(x, *head, norm_eps, hc_eps), h_ref, COEF_TOL, f"head {what}")
+    # the adaptive backend: its decode tiling up to DECODE_MAX_TOKENS tokens, the invariant one above
+    for coef, head_w in (
+        (mhc_coefficients_triton, mhc_head_weights_triton),
+        (mhc_coefficients_triton_adaptive, mhc_head_weights_triton_adaptive),
+    ):
+        got = coef(x, *site, norm_eps, hc_eps, iters)
+        for name, a, e in zip(("pre", "post", "comb"), got, ref, strict=True):
+            assert a.dtype == torch.float32
+            assert_rel_close(a, e, COEF_TOL, f"{name} {what} {coef.__name__}")
+        assert_rel_close(head_w(x, *head, norm_eps, hc_eps), h_ref, COEF_TOL, f"head {what} {head_w.__name__}")
     pre, post, comb = ref  # the same weights for both sides: only the contraction is under test
     _assert_stream_close(mhc_collapse_triton(x, pre), mhc_collapse_ref(x, pre), f"collapse {what}", min_equal)
     out = mhc_expand_triton(x, y, post, comb)
@@ -156,7 +163,7 @@ def test_backends_registered():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [4096, 5120])  # V4-Flash, V4.1-Flash
-@pytest.mark.parametrize("t", [1, 7, 64, 4096])
+@pytest.mark.parametrize("t", [1, 7, 16, 64, 4096])
 def test_gpu_matches_reference(t, d, dtype):
     x, site, head, y = _inputs(t, 4, d, dtype, "cuda", seed=t + d)
     _check_all(x, site, head, y)
@@ -176,13 +183,14 @@ def test_gpu_batch_invariant(d, dtype):
 def test_gpu_registry_and_sublayer(monkeypatch):
     x, site, _, _ = _inputs(16, 4, 4096, torch.bfloat16, "cuda", seed=1)
     params, cfg = MhcParams(*site), MhcConfig(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
-    assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton
-    assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton
+    assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton_adaptive
+    assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton_adaptive
     assert resolve("mhc_collapse", "cuda") is mhc_collapse_triton
     assert resolve("mhc_expand", "cuda") is mhc_expand_triton
     set_batch_invariant(True)
     try:
         assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton
+        assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton
         assert resolve("mhc_expand", "cuda") is mhc_expand_triton
     finally:
         set_batch_invariant(None)

@@ -109,6 +109,37 @@ def test_gpu_decode_matches_reference(backend, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 4, 16, 32])
+@pytest.mark.parametrize("entries", [160, 640])
+def test_gpu_adaptive_decode_tiles_match_reference(t, entries):
+    """Each of ``decode_tile``'s small-batch choices (finer splits, 16 / 32 / 64 heads a program) at V4 / V4.1
+    decode sizes: 128 window + 32 compressed entries (a 4K context at ratio 128), or 128 + 512 selected."""
+    q, kv, idx, sinks = _v41_rows(t, 32768, seed=100 + t)
+    idx = idx[:, :entries].contiguous()
+    out = attn.sparse_mqa_attention_triton_adaptive(q, kv, idx, sinks, D**-0.5)
+    ref = sparse_mqa_attention_ref(q, kv, idx, sinks, D**-0.5)
+    assert_rel_close(
+        out.float(), ref.float(), TOL[torch.bfloat16], f"adaptive T={t} K={entries} {attn.decode_tile(t, H, entries)}"
+    )
+
+
+def test_decode_tile_fills_the_gpu_when_it_can():
+    """The small-batch rule: enough programs whenever some choice gives them, the least work a program otherwise;
+    splits are whole 64-entry tiles shorter than the list."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    for t in (1, 2, 4, 8, 16, 32):
+        for k in (48, 160, 384, 640, 2048):
+            split, (bh, bn, warps, stages) = attn.decode_tile(t, 64, k)
+            assert bh in attn.DECODE_HEADS and bn == 64 and stages == 1
+            assert split is None or (split % 64 == 0 and split < k)
+            programs = t * cdiv(64, bh) * (1 if split is None else cdiv(k, split))
+            reachable = t * 4 * (cdiv(k, 64) if k > 64 else 1) >= attn.DECODE_PROGRAMS
+            assert programs >= attn.DECODE_PROGRAMS or not reachable, (t, k, split, bh)
+    assert attn.decode_tile(1, 64, 640) == (64, (16, 64, 4, 1))  # batch 1: 40 programs of one 64-entry tile
+    assert attn.decode_tile(32, 64, 640) == (256, (64, 64, 8, 1))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_gpu_prefill_matches_reference(backend):
     t = 4096

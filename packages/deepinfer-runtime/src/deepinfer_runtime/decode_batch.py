@@ -15,7 +15,8 @@ A ``DecodeBatch`` splits the step in two:
   one kind) are planned once and share their fields; each further layer costs a request a check and a copy of
   its ring bounds (``Ring.follow``);
 * the device work (``write``, ``ring_ids``, ``window``, ``append``, ``pages``, ``pool_rows``): scatters and
-  row ids (one kernel per call: ``ring_rows`` / ``paged_rows`` of ``deepinfer_kernels``) whose shapes depend only
+  row ids (one kernel per call: ``ring_scatter`` / ``scatter_rows`` / ``ring_rows`` / ``paged_rows`` of
+  ``deepinfer_kernels``) whose shapes depend only
   on the batch rows and the table width, and which read only that tensor, so a whole step can be captured in a
   CUDA graph once and replayed with the data of a later plan of the same ``shape_key`` (``rebind``, ``run``).
 
@@ -34,7 +35,7 @@ import copy
 import math
 
 import torch
-from deepinfer_kernels import paged_rows, ring_rows
+from deepinfer_kernels import paged_rows, ring_rows, ring_scatter, scatter_rows
 
 from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.host_copy import long_tensor
@@ -195,8 +196,8 @@ class DecodeBatch:
     def write(self, key: object, rows: torch.Tensor) -> torch.Tensor:
         """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key``; return the buffer as one
         row table [num_slots x R, C] (what ``ring_ids`` addresses, read in place)."""
-        buf, pos = self.buffers[key], self["pos"]
-        buf[self["slots"], pos % buf.shape[1]] = rows.to(buf.dtype)
+        buf = self.buffers[key]
+        ring_scatter(buf, rows, self["slots"], self["pos"])  # one kernel: the row, its ring index and the cast
         return buf.view(-1, buf.shape[-1])
 
     def ring_ids(self, key: object, n: int, every: int = 1) -> torch.Tensor:
@@ -223,7 +224,7 @@ class DecodeBatch:
     def append(self, key: object, rows: torch.Tensor) -> None:
         """Store each request's newly completed entry rows [rows, C] of store ``key`` where the plan put it."""
         pool = self.kv[key]
-        pool.flat[self[("emit", key)]] = rows.to(pool.flat.dtype)
+        scatter_rows(pool.flat, rows, self[("emit", key)])
 
     def entry_capacity(self, key: object) -> int:
         """Entries of store ``key`` a request's table reaches (table width x rows per block)."""

@@ -1,4 +1,5 @@
-"""Cache row ids of a planned decode step: where each request's ring positions and paged entries sit.
+"""Cache row ids and row writes of a planned decode step: where each request's ring positions and paged entries
+sit, and the writes of its new rows there (``scatter_rows``, ``ring_scatter``).
 
 A decode step reads its caches in place (``deepinfer_runtime.decode_batch``): the sliding window and the
 compressors' groups from ring buffers held as one flat row table of num_slots x capacity rows (request b's
@@ -105,3 +106,44 @@ def paged_rows(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, off
     rows_per_block = _check_int(op, "rows_per_block", rows_per_block, 1)
     offset = _check_int(op, "offset", offset, 0)
     return dispatch(op, ids.device, ids, tables, rows_per_block, offset)
+
+
+def _check_write(op: str, table: torch.Tensor, rows: torch.Tensor, index: dict[str, torch.Tensor], dims: int) -> None:
+    if table.dim() != dims or rows.dim() != 2 or rows.shape[1] != table.shape[-1]:
+        raise ValueError(
+            f"{op}: table must be {dims}-D with rows [B, {table.shape[-1] if table.dim() else 'C'}] of its width, "
+            f"got table {tuple(table.shape)} and rows {tuple(rows.shape)}"
+        )
+    if table.dim() and table.stride(-1) != 1 or (dims == 3 and not table.is_contiguous()):
+        raise ValueError(f"{op}: the table must be contiguous along its rows (strides {table.stride()})")
+    for name, t in index.items():
+        if t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] != rows.shape[0]:
+            raise ValueError(f"{op}: {name} must be int64 [{rows.shape[0]}], got {t.dtype}{tuple(t.shape)}")
+    for t in (rows, *index.values()):
+        if t.device != table.device:
+            raise ValueError(f"{op}: table on {table.device}, an input on {t.device}: one device")
+
+
+def scatter_rows(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """``table[index[b]] = rows[b]`` cast to table's dtype, in place (a paged pool's new entries).
+
+    Args:
+        table: [N, C] any dtype, unit stride along C (a pool's flat rows).
+        rows: [B, C] any float dtype (cast like ``Tensor.to``).
+        index: [B] int64 rows of ``table`` (0 <= index < N); two equal ids leave either row there.
+    """
+    _check_write("scatter_rows", table, rows, {"index": index}, 2)
+    dispatch("scatter_rows", table.device, table, rows, index)
+
+
+def ring_scatter(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+    """``buffer[slots[b], pos[b] % R] = rows[b]`` cast to buffer's dtype, in place (a decode step's new ring rows).
+
+    Args:
+        buffer: [S, R, C] contiguous ring buffers (S slots of R rows).
+        rows: [B, C] any float dtype (cast like ``Tensor.to``).
+        slots: [B] int64 slots (0 <= slot < S); two requests in one slot leave either row there.
+        pos: [B] int64 positions >= 0.
+    """
+    _check_write("ring_scatter", buffer, rows, {"slots": slots, "pos": pos}, 3)
+    dispatch("ring_scatter", buffer.device, buffer, rows, slots, pos)

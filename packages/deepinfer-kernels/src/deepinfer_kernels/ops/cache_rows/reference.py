@@ -1,4 +1,4 @@
-"""Plain-PyTorch cache row ids (the definition of correct): a few elementwise int64 ops per call.
+"""Plain-PyTorch cache row ids and row writes (the definition of correct): a few elementwise int64 ops per call.
 
 ``ring_rows_ref`` is the body ``DecodeBatch.ring_ids`` had before the op existed, op for op; ``paged_rows_ref`` is
 ``DecodeBatch.pool_rows``'s gather through the block tables plus the offset and the out-of-table rule. Each row
@@ -31,3 +31,13 @@ def paged_rows_ref(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int,
         return torch.full_like(ids, -1)
     blocks = tables.gather(1, torch.where(ok, block, 0))
     return torch.where(ok, blocks * rows_per_block + safe % rows_per_block + offset, -1)
+
+
+@register_reference("scatter_rows")
+def scatter_rows_ref(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    table[index] = rows.to(table.dtype)
+
+
+@register_reference("ring_scatter")
+def ring_scatter_ref(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+    buffer[slots, pos % buffer.shape[1]] = rows.to(buffer.dtype)

@@ -1,4 +1,5 @@
-"""Triton cache row ids (CUDA backend ``triton`` of ``ring_rows`` and ``paged_rows``): one launch each.
+"""Triton cache row ids and row writes (CUDA backend ``triton`` of ``ring_rows``, ``paged_rows``, ``scatter_rows``
+and ``ring_scatter``): one launch each.
 
 Grid (rows, column blocks of BLOCK): a program loads its request's scalars (position, slot, first held position;
 or its block table row through the masked gather) and writes BLOCK row ids, int64 throughout, the tail masked.
@@ -7,6 +8,11 @@ They replace chains of 8-12 tiny torch kernels per call in a decode step. The fo
 division and torch's flooring one agree, and ``(p + 1) % every == 0`` holds under either convention alike (with
 every = 1 always: no branch), so the results equal the reference exactly. Each row reads only its own inputs:
 batch-invariant. No host reads: capturable in CUDA graphs.
+
+``_scatter_rows_kernel``: grid (rows, column blocks); a program computes its destination row (the given row id,
+or slot * R + pos % R for a ring: pos >= 0, so truncating and flooring ``%`` agree) and copies BLOCK columns,
+cast to the table's dtype as ``Tensor.to`` does (round to nearest even), in place of a remainder, an index_put and
+a cast copy.
 """
 
 import torch
@@ -51,6 +57,21 @@ def _paged_rows_kernel(
     tl.store(out_ptr + b * K + k, tl.where(ok, t * R + safe % R + OFFSET, -1), mask=in_k)
 
 
+@triton.jit
+def _scatter_rows_kernel(
+    table_ptr, rows_ptr, index_ptr, pos_ptr, C, R, ROW_STRIDE, COL_STRIDE, TABLE_STRIDE,
+    RING: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    dst = tl.load(index_ptr + b)
+    if RING:  # index holds the slots
+        dst = dst * R + tl.load(pos_ptr + b) % R
+    ok = c < C
+    v = tl.load(rows_ptr + b * ROW_STRIDE + c * COL_STRIDE, mask=ok)
+    tl.store(table_ptr + dst * TABLE_STRIDE + c, v.to(table_ptr.dtype.element_ty), mask=ok)
+
+
 def _block(cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for ``cols`` columns: one program covers up to MAX_BLOCK of a row."""
     block = min(MAX_BLOCK, max(16, triton.next_power_of_2(cols)))
@@ -90,7 +111,34 @@ def paged_rows_triton(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: i
     return out
 
 
-for _name, _fn in (("ring_rows", ring_rows_triton), ("paged_rows", paged_rows_triton)):
+def _scatter(table, rows, index, pos, ring: int) -> None:
+    require_same_device(table, rows, index, pos)
+    b, c = rows.shape
+    if b == 0 or c == 0:
+        return
+    block, warps = _block(c)
+    _scatter_rows_kernel[(b, triton.cdiv(c, block))](
+        table, rows, index.contiguous(), pos.contiguous(), c, max(ring, 1), rows.stride(0), rows.stride(1),
+        table.stride(0), RING=ring > 0, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def scatter_rows_triton(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """The op (contract in ``__init__.py``)."""
+    _scatter(table, rows, index, index, 0)
+
+
+def ring_scatter_triton(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+    """The op (contract in ``__init__.py``): ``buffer`` [S, R, C] as the flat table [S R, C]."""
+    _scatter(buffer.view(-1, buffer.shape[-1]), rows, slots, pos, buffer.shape[1])
+
+
+for _name, _fn in (
+    ("ring_rows", ring_rows_triton),
+    ("paged_rows", paged_rows_triton),
+    ("scatter_rows", scatter_rows_triton),
+    ("ring_scatter", ring_scatter_triton),
+):
     register_backend(
         _name, "triton", _fn, devices=("cuda",), priority=20, available=triton_cuda_available, batch_invariant=True
     )

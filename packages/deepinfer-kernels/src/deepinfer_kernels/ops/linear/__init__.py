@@ -46,8 +46,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
 
 from . import cublas as _cublas  # noqa: E402,F401  (registers the CUDA backend)
 
-try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)
     from . import triton as _triton  # noqa: E402,F401
+    from . import triton_skinny as _triton_skinny  # noqa: E402,F401
 except ImportError:
     pass
 

@@ -1,0 +1,143 @@
+"""The decode-size GPU backend of ``linear`` (``triton_skinny``): y = x W^T for at most ``SKINNY_MAX_ROWS`` rows of
+bf16 / fp16 x against a narrow weight (at most ``SKINNY_MAX_N`` rows) of the same dtype, in one launch; every other
+call goes to cuBLAS (``cublas.py``).
+
+At decode sizes a projection is a weight stream: [M <= 8, K] x [N, K]^T reads N K 2 bytes and does almost no math.
+cuBLAS splits K there too, but finishes with a second reduce kernel (and its launch gap). Here program (n, s)
+streams the [BLOCK_N, K_SPLIT] weight block (n, s) once (one 16-row tensor-core tile of x against it, fp32
+accumulation, K walked in BLOCK_K steps in order), writes its fp32 partial [M, BLOCK_N], and the last program of
+column block n to arrive (a counter per column block, taken with an acq_rel atomic after a CTA barrier, the pattern
+of CUTLASS's semaphore) adds the SPLIT partials in split order, casts and stores, then resets the counter for the
+next launch (CUDA-graph safe: no memset node, no host work).
+
+H200 sweep (session 8, CUDA graphs, M = 1 / 8): N <= 1024 with K = 4096 / 5120 takes 4.2-5.7 us against cuBLAS's
+5.7-6.8 us (e.g. [1, 4096] x [512, 4096]: 4.6 against 6.3 us); from N = 2048 on cuBLAS is as fast or faster, so wider
+weights stay there, except at batch 1-2 up to N = 2304 (64-column blocks: [1, 5120] x [2304, 5120] 8.0 against
+9.0 us, the V4.1 compressors). 32-column blocks and 512-column K splits were the best tiling for every narrow shape
+measured.
+
+Deterministic (fixed split and summation order for a given shape) but not batch-invariant: a row's bits change
+when the batch crosses ``SKINNY_MAX_ROWS`` (cuBLAS above it); batch-invariant mode keeps ``triton_fixed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.ops._triton_launch import interpreting, triton_cuda_available
+from deepinfer_kernels.registry import register_backend
+
+from .cublas import linear_cublas
+
+SKINNY_MAX_ROWS = 8  # rows of x (one 16-row tensor-core tile); more go to cuBLAS
+SKINNY_MAX_N = 1280  # weight rows served at up to SKINNY_MAX_ROWS rows (32-column blocks)
+SKINNY_WIDE_N, SKINNY_WIDE_ROWS = 2304, 2  # and wider weights up to these at batch 1-2 (64-column blocks)
+BLOCK_M, BLOCK_K, K_SPLIT = 16, 128, 512
+_COUNTERS = 1 << 14  # column blocks a launch may use (N / BLOCK_N)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < k_hi
+        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if F32_DOT:  # the CPU interpreter, whose bf16 dot is wrong (fp32 products of bf16 values are exact)
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = ws_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the one release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:  # the last of the column block: add the partials in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT):
+                p = ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+                total += tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counter_block(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one set per (device, stream): kernels on two streams may run at once; each launch
+    leaves its counters at zero again."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None:
+        buf = _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, K_SPLIT, SPLIT): 32-column blocks (64 past SKINNY_MAX_N), K in splits of 512 (the last
+    one ragged)."""
+    k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
+    return (32 if n <= SKINNY_MAX_N else 64), BLOCK_K, k_split, triton.cdiv(k, k_split)
+
+
+def serves(m: int, n: int) -> bool:
+    """Whether ``linear_skinny`` takes an [m, K] x [n, K]^T product itself (bf16 / fp16), not cuBLAS."""
+    return 0 < m <= SKINNY_MAX_ROWS and (n <= SKINNY_MAX_N or (n <= SKINNY_WIDE_N and m <= SKINNY_WIDE_ROWS))
+
+
+def linear_skinny(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, cfg=None
+) -> torch.Tensor:
+    """``linear`` for <= ``SKINNY_MAX_ROWS`` rows of bf16 / fp16 x with a weight of x's dtype (see the module
+    docstring); cuBLAS otherwise. ``cfg`` (BLOCK_N, BLOCK_K, K_SPLIT, SPLIT) overrides the tiling (benchmarks)."""
+    k, n = x.shape[-1], weight.shape[0]
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    if (
+        n == 0 or k == 0 or not (serves(m, n) or (cfg is not None and 0 < m <= SKINNY_MAX_ROWS))
+        or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
+    ):  # fmt: skip
+        return linear_cublas(x, weight, out_dtype)
+    a = a.contiguous()
+    w = weight.contiguous()
+    block_n, block_k, k_split, split = cfg or skinny_config(n, k)
+    tiles = triton.cdiv(n, block_n)
+    if tiles > _COUNTERS:
+        return linear_cublas(x, weight, out_dtype)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _skinny_kernel[(tiles, split)](
+        a, w, out, ws, _counter_block(x.device), m, n, k, k_split, split,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=interpreting(),
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return out.reshape(*lead, n)
+
+
+register_backend(
+    "linear", "triton_skinny", linear_skinny, devices=("cuda",), priority=30, available=triton_cuda_available,
+    batch_invariant=False,
+)  # fmt: skip
