@@ -10,6 +10,11 @@ and cumulative time. Writes JSON.
     python benchmarks/profile_step.py [--models v4,v4.1] [--batches 1,8] [--context 4096] [--out p.json]
     python benchmarks/profile_step.py --phase prefill --context 4096
     python benchmarks/profile_step.py --tiny --device cpu       # smoke run
+    python benchmarks/profile_step.py --cuda-graphs --timeline --batches 1,64   # one graph step, kernel by kernel
+
+``--timeline`` (decode, CUDA): the kernels of one step in launch order with the gap before each, the step's GPU span
+(first kernel start to last kernel end), busy time and idle time, and the kernels grouped by name (the floor ratio's
+GPU-side view, without the host's planning).
 """
 
 from __future__ import annotations
@@ -100,6 +105,55 @@ def _profile(step, dev: str, steps: int, top: int, shapes: bool = False) -> dict
     return rec
 
 
+def _timeline(step, steps: int = 3) -> dict:
+    """One decode step's kernels in order (after 2 warm-up steps): the steps are told apart by host gaps of more
+    than 100 us between kernels, and the largest group is taken (a step replayed from a CUDA graph is one)."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    if not kernels:
+        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "order": [], "families": []}
+    groups, cur = [], kernels[:1]
+    for a, b in zip(kernels, kernels[1:]):
+        if b.time_range.start - a.time_range.end > 100:
+            groups.append(cur)
+            cur = []
+        cur.append(b)
+    groups.append(cur)
+    one = max(groups, key=len)
+    span = one[-1].time_range.end - one[0].time_range.start
+    busy = sum(e.time_range.end - e.time_range.start for e in one)
+    order, families = [], {}
+    for prev, e in zip([None, *one], one):
+        dur = e.time_range.end - e.time_range.start
+        gap = 0.0 if prev is None else e.time_range.start - prev.time_range.end
+        order.append({"kernel": e.name[:110], "gap_us": gap, "us": dur})
+        fam = families.setdefault(e.name[:60], [0, 0.0])
+        fam[0] += 1
+        fam[1] += dur
+    top = sorted(families.items(), key=lambda kv: -kv[1][1])
+    return {
+        "kernels": len(one), "span_us": span, "busy_us": busy, "idle_us": span - busy, "order": order,
+        "families": [{"kernel": k, "calls": c, "us": t} for k, (c, t) in top],
+    }  # fmt: skip
+
+
+def _print_timeline(title: str, rec: dict, show: int = 30) -> None:
+    print(
+        f"\n== {title}: {rec['kernels']} kernels, GPU span {rec['span_us']:.0f} us, busy {rec['busy_us']:.0f} us, "
+        f"idle {rec['idle_us']:.0f} us"
+    )
+    for f in rec["families"][:show]:
+        print(f"   {f['us']:9.1f} us {f['calls']:4d}  {f['kernel']}")
+
+
 def _print(title: str, rec: dict, steps: int, top: int) -> None:
     print(
         f"\n== {title}: {rec['wall_ms_per_step']:.2f} ms/step wall, GPU busy {rec['gpu_busy_ms_per_step']:.2f} ms, "
@@ -128,6 +182,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (enable_cuda_graphs)")
     ap.add_argument("--shapes", action="store_true", help="group ops by input shapes (eager steps show them)")
+    ap.add_argument("--timeline", action="store_true", help="decode on CUDA: one step's kernels in order, by family")
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     args = ap.parse_args()
     from deepinfer_runtime.kv_pool import KVPools
@@ -156,6 +211,12 @@ def main() -> None:
             prefill(model, arch, [base], [rand_ids(args.context, dev, gen)], 8192, dev)
             for b in batches:
                 caches = replicate_cache(base, b, pools, table, iter(range(blocks, pools.num_blocks)))
+                if args.timeline and torch.device(dev).type == "cuda":
+                    rec = _timeline(lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)))
+                    results[f"{arch} b{b} timeline"] = rec
+                    _print_timeline(f"{arch} decode batch {b}, context {args.context}", rec)
+                    caches = None
+                    continue
                 rec = _profile(
                     lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)),
                     dev,

@@ -1,8 +1,10 @@
 """moe_permute / moe_unpermute: sorting (token, slot) pairs by expert and the fixed-order weighted scatter back.
 
-(a) references against loops written here; (b) the Triton unpermute under TRITON_INTERPRET=1 (child
-process); (c) GPU: Triton vs reference at V4.1-Flash sizes (hidden 5120, top-6 of 384) and bitwise
-invariance of a token's result to the other tokens in the call.
+(a) references against loops written here; (b) the Triton unpermute, the Triton counting sort (``moe_sort``) and
+the grouped GEMMs' tile list (``grouped_tiles.expert_tile_schedule``) under TRITON_INTERPRET=1 (child process);
+(c) GPU: Triton vs reference at V4.1-Flash sizes (hidden 5120, top-6 of 384) and bitwise invariance of a token's
+result to the other tokens in the call; the sort and the tile list bitwise equal to their references at decode
+sizes (V4 / V4.1: 256 experts, top-6), skewed routing and the radix-sort fallback past SORT_MAX_PAIRS included.
 """
 
 from __future__ import annotations
@@ -63,10 +65,51 @@ def _interp_unpermute(t: int, k: int, d: int) -> None:
     print("ok")
 
 
+def _sort_cases(cases, device: str, seed: int) -> None:
+    """moe_sort's Triton kernel and the tile list against the references (integers: bitwise), per (T, k, E, skew):
+    skew routes every pair to the first few experts (long runs of one expert across chunks)."""
+    from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule, expert_tile_schedule_ref
+    from deepinfer_kernels.ops.moe_permute import triton as backend
+    from deepinfer_kernels.ops.moe_permute.reference import moe_sort_ref
+
+    for i, (t, k, e, skew) in enumerate(cases):
+        _, experts, _ = _case(t, e, k, 1, seed + i, device)
+        if skew:
+            experts = experts % 3
+        order, offsets = backend.moe_sort_triton(experts, e)
+        want_order, want_offsets = moe_sort_ref(experts, e)
+        what = f"moe_sort T={t} k={k} E={e} skew={skew}"
+        assert order.dtype == offsets.dtype == torch.int64, what
+        assert_bitwise(order, want_order, what)
+        assert_bitwise(offsets, want_offsets, what)
+        for block_m in (16, 64, 128):
+            got = expert_tile_schedule(offsets, t * k, block_m)
+            want = expert_tile_schedule_ref(offsets, t * k, block_m)
+            assert got[3] == want[3], what
+            for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
+                assert_bitwise(a, b, f"tile {name} {what} BLOCK_M={block_m}")
+    print("ok")
+
+
 @needs_triton
-def test_unpermute_triton_interpreted():
-    res = run_interpreted_cases(__file__, {"unpermute": ("_interp_unpermute", (5, 3, 1100))})["unpermute"]
-    assert not res, res
+def test_unpermute_and_sort_triton_interpreted():
+    sort_cases = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]
+    res = run_interpreted_cases(
+        __file__,
+        {"unpermute": ("_interp_unpermute", (5, 3, 1100)), "sort": ("_sort_cases", (sort_cases, "cpu", 1))},
+    )
+    assert not any(res.values()), res
+
+
+@pytest.mark.gpu
+def test_gpu_sort_and_tile_list():
+    from deepinfer_kernels.ops.moe_permute import triton as backend
+    from deepinfer_kernels.registry import resolve
+
+    cases = [(t, 6, 256, False) for t in (1, 8, 22, 64, 256, 682)] + [(256, 6, 256, True), (64, 6, 384, False)]
+    cases.append((backend.SORT_MAX_PAIRS // 6 + 1, 6, 256, False))  # past the one-program sort: the reference
+    _sort_cases(cases, "cuda", 7)
+    assert resolve("moe_sort", "cuda") is backend.moe_sort_triton
 
 
 @pytest.mark.gpu

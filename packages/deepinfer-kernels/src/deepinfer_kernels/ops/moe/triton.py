@@ -3,8 +3,9 @@ no host synchronisation and no copies of expert weights.
 
 * few (token, slot) rows (decode; ``gather_layout``): ``grouped_gemm_gather`` for gate/up (each row reads
   x[token] and its expert's weights) then for the down projection, in (token, slot) order;
-* many rows (prefill): ``moe_sort`` (the (token, slot) rows sorted by expert, on the device), ``grouped_gemm``
-  for gate/up reading each sorted row's token in place (``row_index``), and for down;
+* more rows (prefill, larger decode batches): ``moe_sort`` (the (token, slot) rows sorted by expert, on the device;
+  one launch up to 4096 rows), ``grouped_gemm`` for gate/up reading each sorted row's token in place
+  (``row_index``), and for down;
 
 then ``moe_unpermute`` sums each token's k rows in slot order (fp32) and casts to x.dtype once. The gate/up
 GEMM fuses the clamped SwiGLU and the routing weight (before the down projection, as the reference). With bf16
@@ -33,10 +34,11 @@ from deepinfer_kernels.registry import register_backend
 from .reference import moe_experts_ref
 
 # at most one (token, slot) row per GATHER_EXPERTS_PER_ROW experts takes the gathered layout: rows of one
-# expert re-read its weights there, which the sorted layout avoids at the price of the sort's launches. V4-Flash
-# on an H200 (bench_grouped_gemm.py --threshold, eager): gathered 0.62 / 1.53 / 2.29 ms against sorted
-# 0.99 / 1.56 / 1.94 ms at 8 / 21 / 32 tokens; with 256 experts and top-6, T <= 21 gathers
-GATHER_EXPERTS_PER_ROW = 2
+# expert re-read its weights there, which the sorted layout avoids at the price of the sort and the tile list.
+# V4-Flash on an H200 (bench_grouped_gemm.py --threshold, CUDA graphs, session 8: one-launch sort and tile list):
+# gathered 0.504 / 0.938 / 1.288 / 1.901 ms against sorted 0.520 / 0.914 / 1.217 / 1.539 ms at 8 / 16 / 21 / 32
+# tokens; with 256 experts and top-6, T <= 14 gathers (T <= 21 while the sort took ~30 small launches)
+GATHER_EXPERTS_PER_ROW = 3
 
 
 def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
