@@ -16,9 +16,9 @@ A ``DecodeBatch`` splits the step in two:
   its ring bounds (``Ring.follow``);
 * the device work (``write``, ``ring_ids``, ``window``, ``append``, ``pages``, ``pool_rows``): scatters and
   row ids (one kernel per call: ``ring_scatter`` / ``scatter_rows`` / ``ring_rows`` / ``paged_rows`` of
-  ``deepinfer_kernels``) whose shapes depend only
-  on the batch rows and the table width, and which read only that tensor, so a whole step can be captured in a
-  CUDA graph once and replayed with the data of a later plan of the same ``shape_key`` (``rebind``, ``run``).
+  ``deepinfer_kernels``) whose shapes depend only on the batch rows and the table width, and which read only that
+  tensor, so a whole step can be captured in a CUDA graph once and replayed with the data of a later plan of the
+  same ``shape_key`` (``rebind``, ``run``).
 
 Rows past ``size`` (padding up to a graph's batch bucket) address the pools' scratch slot and scratch row.
 Nothing is gathered for attention or the compressors: a ring keeps its newest row too, so after the step's write
