@@ -20,7 +20,6 @@ from deepinfer_kernels import (
     indexer_scores,
     indexer_topk,
     mhc_same_site_sublayer,
-    rope_interleaved,
     sparse_mqa_attention,
 )
 
@@ -54,9 +53,7 @@ def _attention(
         if attn.kind == CSA:
             ix = attn.indexer
             keys = ix.compressor(u_all, pos_all, cache.indexer, attn.inv_freq)
-            qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
-            qi = rope_interleaved(qi, pos, attn.inv_freq, out=qi)
-            weights = ix.weights_proj(u).float() * ix.n_heads**-0.5
+            qi, weights = ix.query(u, qr, pos, attn.inv_freq)
             visible = ((pos + 1) // ix.ratio)[None]
             scores = indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5, visible)
             picked = indexer_topk(scores, visible, ix.topk)[0]

@@ -136,6 +136,15 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, overlap=True, dtype=dtype)
 
+    def query(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, d], qr [S, q_lora_rank] -> (post-RoPE queries [S, H, Dh], head weights [S, H] fp32 with the
+        1/sqrt(H) scale)."""
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+
     def forward(
         self,
         x: torch.Tensor,
@@ -146,9 +155,7 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """x [S, d], qr [S, q_lora_rank] -> selected entry ids [S, k] (-1 = none)."""
         keys = self.compressor(x, positions, state, inv_freq)
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        q, weights = self.query(x, qr, positions, inv_freq)
         visible = ((positions + 1) // self.ratio)[None]
         # with visible, the keys past a query's last complete window are -inf, not computed (causal: half of them)
         scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
@@ -159,9 +166,7 @@ class Indexer(nn.Module):
         pos = batch["pos"]
         self.compressor.decode(x, batch, ("idx", layer), inv_freq)
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope_interleaved(q, pos, inv_freq, out=q)
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        q, weights = self.query(x, qr, pos, inv_freq)
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = ((pos + 1) // self.ratio)[:, None]  # a request's rows past its own entries are never visible
         return indexer_topk(scores, visible, self.topk)[:, 0]

@@ -401,17 +401,22 @@ class Attention(nn.Module):
             entry, key = fake_quant_e2m1(entry, 16, "e4m3"), fake_quant_e2m1(key, 32, "ue8m0")
         return entry, key
 
-    def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
-        """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]; -inf past each query's
-        visible entries (``select`` and ``candidates`` treat those as invisible anyway; they are not computed)."""
+    def index_query(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, d], qr [S, q_lora_rank] at ``pos`` -> (the indexer's post-RoPE queries [S, H, Dh], FP4-simulated
+        where the model quantises, and head weights [S, H] fp32 with the 1/sqrt(H) scale)."""
         ix = self.indexer
         qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
         qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
         if self.fake_quant:
             qi = fake_quant_e2m1(qi, 32, "ue8m0")
-        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        return qi, ix.weights_proj(x).float() * ix.n_heads**-0.5
+
+    def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
+        """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]; -inf past each query's
+        visible entries (``select`` and ``candidates`` treat those as invisible anyway; they are not computed)."""
+        qi, weights = self.index_query(x, qr, pos)
         visible = ((pos + 1) // self.ratio)[None]
-        return indexer_scores(qi[None], keys[None], weights[None], ix.head_dim**-0.5, visible)[0]
+        return indexer_scores(qi[None], keys[None], weights[None], self.indexer.head_dim**-0.5, visible)[0]
 
     def select(self, scores: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
         """Top-k entry ids [S, index_topk] (ascending, -1 padded to a fixed width) among visible entries."""
@@ -541,13 +546,8 @@ class Attention(nn.Module):
         """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
         against each request's keys, read in place from ``pool`` [blocks, R, Dh] through ``tables`` [rows, nblk]
         -> [rows, 1, nblk x R] fp32."""
-        ix = self.indexer
-        qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
-        qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
-        if self.fake_quant:
-            qi = fake_quant_e2m1(qi, 32, "ue8m0")
-        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
-        return indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], ix.head_dim**-0.5)
+        qi, weights = self.index_query(x, qr, pos)
+        return indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
 
     def feed_compressor_decode(self, x: torch.Tensor, batch: DecodeBatch) -> None:
         """``feed_compressor`` of one row per request: every row publishes the group ending at it; the plan keeps
