@@ -343,7 +343,7 @@ def prefill(model, arch, caches, prompts, chunk: int, dev) -> None:
 
 
 def decode_step(model, caches, toks) -> list[torch.Tensor]:
-    return model.forward_step([t.view(1) for t in toks], caches)
+    return model.forward_step(list(toks.split(1)), caches)  # one [1] view per request, made in one call
 
 
 class Deadline:

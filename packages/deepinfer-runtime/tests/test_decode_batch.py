@@ -177,7 +177,7 @@ def test_plan_then_device_work():
         s.resume(n)
     kv_pools.pools["k"].data.copy_(torch.arange(48.0).view(8, 2, 3))
     batch = DecodeBatch([6, 7, 0], [s.slot for s in slots], pool, graphs=_Bucketed())  # rows padded to 4
-    batch.plan_ring({"r": rings}, 3)
+    batch.plan_ring(["r"], 3)
     batch.plan_append({"k": stores}, 2, {"k": 3}, torch.float32)
     batch.plan_tables([s.table for s in stores], 4, bucket=False)
     batch.seal(torch.device("cpu"))
@@ -237,7 +237,7 @@ def test_plan_groups_rings_and_appends_that_move_together():
 
     pool, slots, stores = setup()
     batch = DecodeBatch(starts, [s.slot for s in slots], pool)
-    batch.plan_ring({k: [s[k] for s in slots] for k in "abcd"}, 3)
+    batch.plan_ring(list("abcd"), 3)
     batch.plan_append(stores, 2, dict.fromkeys(stores, 1), torch.float32)
     batch.seal(torch.device("cpu"))
     assert batch.layout[("first", "a")] == batch.layout[("first", "b")]  # one field
@@ -247,7 +247,7 @@ def test_plan_groups_rings_and_appends_that_move_together():
     alone_pool, alone_slots, alone_stores = setup()
     for k in "abcd":
         one = DecodeBatch(starts, [s.slot for s in alone_slots], alone_pool)
-        one.plan_ring({k: [s[k] for s in alone_slots]}, 3)
+        one.plan_ring([k], 3)
         one.seal(torch.device("cpu"))
         assert torch.equal(batch[("first", k)], one[("first", k)]), k
         assert [(s[k].lo, s[k].end) for s in slots] == [(s[k].lo, s[k].end) for s in alone_slots], k

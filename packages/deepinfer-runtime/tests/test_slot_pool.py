@@ -5,6 +5,7 @@ from functools import partial
 
 import pytest
 import torch
+from deepinfer_runtime import slot_pool
 from deepinfer_runtime.models.deepseek_v4 import v4_cache_layout
 from deepinfer_runtime.models.deepseek_v4_cache import v4_slot_specs
 from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
@@ -115,3 +116,56 @@ def test_engine_pool_matches_its_budget_and_gets_every_slot_back(tiny_v4_dirs):
     assert slots.num_free("request") == 3  # finished requests gave theirs back
     held = len(llm.prefix_cache.snapshots)
     assert held > 0 and slots.num_free("snapshot") == slots.num_snapshots - held
+
+
+@pytest.mark.parametrize("loop_rings", [0, 512])  # tensor operations; Python ints
+def test_step_rings_moves_every_ring_as_advance_would(loop_rings, monkeypatch):
+    """A decode step's plan moves the rings of every request and key at once (``SlotPool.step_rings``): each ends
+    where ``Ring.advance(p, 1)`` puts it and each group's first held position is ``Ring.first_held``'s, on random
+    bounds (held, restarted, empty rings); keys whose rings hold other positions or have another capacity come back
+    in groups of their own, and a write behind a ring's end is refused before anything moves."""
+    monkeypatch.setattr(slot_pool, "LOOP_RINGS", loop_rings)
+    gen = torch.Generator().manual_seed(0)
+    specs = [SlotSpec(k, "x", 6, 1, torch.float32) for k in "abc"] + [SlotSpec("d", "x", 9, 1, torch.float32)]
+    pool, twin = SlotPool(specs, 5, 0, "cpu"), SlotPool(specs, 5, 0, "cpu")
+    slots, twins = [pool.claim() for _ in range(5)], [twin.claim() for _ in range(5)]
+    starts = []
+    for s, t in zip(slots, twins):
+        end = int(torch.randint(0, 20, (1,), generator=gen))
+        lo = max(end - int(torch.randint(0, 7, (1,), generator=gen)), 0)
+        p = end + int(torch.randint(0, 2, (1,), generator=gen)) * 3  # at the end, or past it (a restart)
+        starts.append(p)
+        for k in "abcd":
+            shift = 1 if k == "c" and len(starts) == 2 else 0  # c differs for one request only
+            for ring in (s[k], t[k]):
+                ring.lo, ring.end = lo + shift, end + shift
+    order = torch.randperm(5, generator=gen).tolist()  # a batch's requests in any slot order
+    rows = [slots[i].slot for i in order]
+    batch_starts = torch.tensor([starts[i] for i in order])
+    groups = pool.step_rings(list("abcd"), torch.tensor(rows), batch_starts, 3)
+    assert sorted(sorted(keys) for keys, _ in groups) == [["a", "b"], ["c"], ["d"]]
+    for keys, firsts in groups:
+        for k in keys:
+            expect = [twins[i][k].first_held(starts[i], 3) for i in order]
+            assert firsts == expect, k
+    for i in order:
+        for k in "abcd":
+            twins[i][k].advance(starts[i], 1)
+            assert (slots[i][k].lo, slots[i][k].end) == (twins[i][k].lo, twins[i][k].end), (i, k)
+    slots[order[0]]["c"].end += 5  # the next step writes behind c's end: a, b and d, planned first, stay
+    before = pool.bounds.clone()
+    with pytest.raises(RuntimeError, match="ring c: write at position .* behind its end"):
+        pool.step_rings(list("abcd"), torch.tensor(rows), batch_starts + 1, 3)
+    assert torch.equal(pool.bounds, before)
+
+
+def test_ring_moves_into_another_slot_with_its_rows_and_bounds():
+    pool = SlotPool([SlotSpec("w", "x", 4, 3, torch.float32)], 2, 0, "cpu")
+    a, b = pool.claim(), pool.claim()
+    ring = a["w"]
+    ring.write(0, _rows(0, 6))
+    ring.move_into(b["w"])
+    assert (b["w"].lo, b["w"].end) == (2, 6) and torch.equal(b["w"].view(), _rows(2, 6))
+    ring.write(6, _rows(6, 7))  # the moved ring now writes b's slot and bounds
+    assert b["w"].end == 7 and torch.equal(pool.buffers["w"][b.slot, 6 % 4], _rows(6, 7)[0])
+    assert torch.equal(pool.bounds[b.slot, 0], torch.tensor([3, 7]))

@@ -12,8 +12,8 @@ A ``DecodeBatch`` splits the step in two:
   lengths, advances them as the step will, and records what the device needs (positions, slots, how far back
   each ring holds, the row each newly completed entry goes to, block tables) in one int64 list, sent to the
   device in one copy (``seal``). Rings and stores that move together (every layer's window, the compressors of
-  one kind) are planned once and share their fields; each further layer costs a request a check and a copy of
-  its ring bounds (``Ring.follow``);
+  one kind) are planned once and share their fields; the rings' bounds of every request and layer move together
+  in a few tensor operations on the slot pool's bounds table (``SlotPool.step_rings``);
 * the device work (``write``, ``ring_ids``, ``window``, ``append``, ``pages``, ``pool_rows``): scatters and
   row ids (one kernel per call: ``ring_scatter`` / ``scatter_rows`` / ``ring_rows`` / ``paged_rows`` of
   ``deepinfer_kernels``) whose shapes depend only on the batch rows and the table width, and which read only that
@@ -40,7 +40,7 @@ from deepinfer_kernels import paged_rows, ring_rows, ring_scatter, scatter_rows
 from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.host_copy import long_tensor
 from deepinfer_runtime.kv_pool import KVPool, KVPools, PagedRows, RowStore
-from deepinfer_runtime.slot_pool import Ring, SlotPool
+from deepinfer_runtime.slot_pool import SlotPool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 TABLE_BUCKET = 8  # with graphs the table width rounds up to a multiple of this many blocks (fewer captures)
@@ -69,7 +69,8 @@ class DecodeBatch:
         self.graphs = graphs if graphs is not None and graphs.applies(bucket, device) else None
         self.rows = bucket if self.graphs is not None else self.size
         self.pad = self.rows - self.size
-        self.buffers = pool.buffers
+        self.pool, self.buffers = pool, pool.buffers
+        self._starts, self._slot_ids = torch.tensor(self.starts), torch.tensor(slots)
         self.kv: dict[object, KVPool] = {}  # store key -> its pool
         self.back: dict[object, int] = {}  # ring buffer key -> the rows the step reads behind the new one
         self.layout: dict[object, tuple[int, tuple[int, ...]]] = {}
@@ -89,28 +90,29 @@ class DecodeBatch:
             self.layout[name] = (len(self._values), shape)
         self._values.extend(values)
 
-    def plan_ring(self, rings: dict[object, list[Ring]], back: int) -> None:
-        """The step writes one row per request at its position p into the rings (per slot-pool buffer key, one
-        ring per request) and reads the ``back`` rows before it (in place, after the write: ``ring_ids``): record
-        from which position each request's rings hold them, then advance the bounds. A ring holds [lo, end); one
-        whose end is not p restarts at p (``Ring.write``), so it holds nothing before.
+    def plan_positions(self, ratios) -> None:
+        """The position arithmetic of the step's compressors and indexers, per compression ratio r >= 1, done on the
+        host (on the device each is two or three int64 kernels a layer): ("pos_mod", r) = p % r (a compressor's
+        position-bias row), ("group_start", r) = p + 1 - r (the first position of the group the step completes)
+        and ("visible", r) = (p + 1) // r (the entries a request sees after the step); padding rows as p = 0."""
+        ps = self.starts + [0] * self.pad
+        for r in sorted({r for r in ratios if r >= 1}):
+            self.put(("pos_mod", r), [p % r for p in ps])
+            self.put(("group_start", r), [p + 1 - r for p in ps])
+            self.put(("visible", r), [(p + 1) // r for p in ps])
 
-        Keys whose rings move together (every layer's window, compressors of one kind) are planned in one call:
-        the first key's rings are planned and advanced, the others take their bounds (``Ring.follow``) and share
-        the recorded field; a key whose rings hold other positions is planned on its own."""
-        (lead_key, lead), *rest = rings.items()
-        before = [(r.lo, r.end) for r in lead]
-        firsts = Ring.first_held(lead, self.starts, back)
-        Ring.advance_each(lead, self.starts)
-        after = [(r.lo, r.end) for r in lead]
-        names = [lead_key]
-        for key, group in rest:
-            if Ring.follow(group, lead, before, after):
-                names.append(key)
-            else:
-                self.plan_ring({key: group}, back)
-        self.back.update(dict.fromkeys(names, back))
-        self.put([("first", key) for key in names], firsts + [0] * self.pad)
+    def plan_ring(self, keys: list, back: int) -> None:
+        """The step writes one row per request at its position p into the rings of slot-pool buffers ``keys`` and
+        reads the ``back`` rows before it (in place, after the write: ``ring_ids``): record from which position
+        each request's rings hold them, then advance the bounds. A ring holds [lo, end); one whose end is not p
+        restarts at p (``Ring.write``), so it holds nothing before.
+
+        Keys whose rings move together (every layer's window, compressors of one kind) share one recorded field;
+        a key whose rings hold other positions gets its own. The bounds of every request and key move in a few
+        tensor operations (``SlotPool.step_rings``), not ring by ring."""
+        for names, firsts in self.pool.step_rings(keys, self._slot_ids, self._starts, back):
+            self.back.update(dict.fromkeys(names, back))
+            self.put([("first", key) for key in names], firsts + [0] * self.pad)
 
     def plan_append(
         self, stores: dict[object, list[PagedRows]], ratio: int, widths: dict[object, int], dtype: torch.dtype
@@ -150,12 +152,13 @@ class DecodeBatch:
         if bucket:
             width = -(-width // TABLE_BUCKET) * TABLE_BUCKET
         # blocks past a request's table read block 0: rows it does not own, never visible to it
-        self.layout["tables"] = (len(self._values), (self.rows, width))
-        zeros = [0] * width
-        for t in tables:
-            self._values.extend(t[:width])
-            self._values.extend(zeros[: max(width - len(t), 0)])
-        self._values.extend(zeros * self.pad)
+        start = len(self._values)
+        self.layout["tables"] = (start, (self.rows, width))
+        self._values.frombytes(bytes(8 * self.rows * width))  # zeros, then each table's first blocks over them
+        for i, t in enumerate(tables):
+            n = min(len(t), width)
+            at = start + i * width
+            self._values[at : at + n] = array.array("q", t[:n] if n < len(t) else t)
 
     def seal(self, device: torch.device) -> DecodeBatch:
         """Send the plan to the device (one pinned copy)."""
@@ -165,7 +168,7 @@ class DecodeBatch:
     @property
     def shape_key(self) -> tuple:
         """What a captured step depends on: plans with equal keys can replay each other's graphs."""
-        return self.rows, len(self._values), tuple(sorted((repr(k), v) for k, v in self.layout.items()))
+        return self.rows, len(self._values), frozenset(self.layout.items())
 
     def run(self, ids: torch.Tensor, fn) -> torch.Tensor:
         """The step's device work ``fn(batch, ids [rows]) -> logits [rows, V]`` for the step's token ids [size]
@@ -179,8 +182,9 @@ class DecodeBatch:
     def per_request(self, logits: torch.Tensor, logit_rows: list[torch.Tensor | None] | None) -> list[torch.Tensor]:
         """Each request's logits out of the step's [rows, V]: its one row, or none where ``logit_rows[i]`` (the
         models' ``forward_step`` argument: offsets into a one-token chunk) is empty."""
-        wanted = logit_rows or [None] * self.size
-        return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(wanted)]
+        if logit_rows is None or all(r is None for r in logit_rows):
+            return list(logits[: self.size].split(1))  # the views made in one call (a step at batch 256 takes 256)
+        return [logits[j : j + (1 if r is None else r.numel())] for j, r in enumerate(logit_rows)]
 
     def rebind(self, data: torch.Tensor) -> DecodeBatch:
         """This plan reading ``data`` (a graph's static copy of another plan's ``data`` of the same shape)."""

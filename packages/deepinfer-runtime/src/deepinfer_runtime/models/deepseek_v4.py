@@ -115,14 +115,14 @@ class Compressor(nn.Module):
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
         (name, layer) of its rings and store. The requests whose row completes a group pool it from their rings in
         place (the others' rows are empty: their NaN entries go to the scratch row the plan gave them)."""
-        r, c, pos = self.ratio, self.head_dim, batch["pos"]
+        r, c = self.ratio, self.head_dim
         kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
-        score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[pos % r]
+        score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[batch[("pos_mod", r)]]
         kv_table, score_table = batch.write((*key, "kv"), kv), batch.write((*key, "score"), score)
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
         rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
-        batch.append(key, rope_interleaved(self.norm(pooled.to(x.dtype)), pos + 1 - r, inv_freq))
+        batch.append(key, rope_interleaved(self.norm(pooled.to(x.dtype)), batch[("group_start", r)], inv_freq))
 
 
 class Indexer(nn.Module):
@@ -168,7 +168,7 @@ class Indexer(nn.Module):
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         q, weights = self.query(x, qr, pos, inv_freq)
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
-        visible = ((pos + 1) // self.ratio)[:, None]  # a request's rows past its own entries are never visible
+        visible = batch[("visible", self.ratio)][:, None]  # a request's rows past its own entries are never visible
         return indexer_topk(scores, visible, self.topk)[:, 0]
 
 
@@ -265,7 +265,7 @@ class Attention(nn.Module):
                 picked = self.indexer.decode(x, qr, batch, self.layer, self.inv_freq)
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
-                picked = torch.where(ids < ((pos + 1) // self.compressor.ratio)[:, None], ids, -1)
+                picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)
             idx = torch.cat([idx, batch.pool_rows(key, picked, offset=kv_all.shape[0])], dim=1)
             kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
@@ -605,10 +605,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         if any(c.slots.pool is not pool for c in caches):
             return None
         plans = v4_compressors(self.cfg)
-        # each request's rings and compressor states in a fixed order, transposed across the batch (in C: a step
-        # at batch 256 reads ~40K of them)
-        windows, states, kvs, scores = (list(zip(*part)) for part in zip(*(c.step_parts for c in caches)))
-        if [s.key for s in caches[0].step_parts[1]] != list(plans):
+        # each request's compressor states in a fixed order, transposed across the batch (in C)
+        states = list(zip(*(c.compressor_states for c in caches)))
+        if [s.key for s in caches[0].compressor_states] != list(plans):
             raise RuntimeError("cache compressors do not follow the model's v4_compressors order")
         stores = [[s.store() for s in col] for col in states]
         # a request's stores all come from its cache's one row factory: its first one says whether all are paged
@@ -617,19 +616,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             return None
         dev = self.embed.weight.device
         batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, self.step_graphs)
-        batch.plan_ring({("window", i): w for i, w in enumerate(windows)}, self.cfg.sliding_window - 1)
-        kinds: dict[tuple[int, int], dict] = {}  # compressors of one kind (ratio, rows looked back) move together
-        for j, (key, plan) in enumerate(plans.items()):
-            rings = kinds.setdefault((plan.ratio, plan.ring_rows(0)), {})
-            rings[(*key, "kv")], rings[(*key, "score")] = kvs[j], scores[j]
-        for (_, back), rings in kinds.items():  # back: the group's other rows and, with overlap, the previous window
-            batch.plan_ring(rings, back)
+        batch.plan_ring([("window", i) for i in range(len(self.layers))], self.cfg.sliding_window - 1)
+        kinds: dict[tuple[int, int], list] = {}  # compressors of one kind (ratio, rows looked back) move together
+        for key, plan in plans.items():
+            kinds.setdefault((plan.ratio, plan.ring_rows(0)), []).extend([(*key, "kv"), (*key, "score")])
+        for (_, back), keys in kinds.items():  # back: the group's other rows and, with overlap, the previous window
+            batch.plan_ring(keys, back)
         appends: dict[int, tuple[dict, dict]] = {}  # ratio -> (stores, entry widths) by compressor
         for j, (key, plan) in enumerate(plans.items()):
             group, widths = appends.setdefault(plan.ratio, ({}, {}))
             group[key], widths[key] = stores[j], plan.width - plan.prev_width
         for ratio, (group, widths) in appends.items():
             batch.plan_append(group, ratio, widths, self.dtype)
+        batch.plan_positions(plan.ratio for plan in plans.values())
         if plans:
             batch.plan_tables([s.table for s in stores[0]], kv_pools.block_size, bucket=batch.graphs is not None)
         return batch.seal(dev)

@@ -528,7 +528,7 @@ class Attention(nn.Module):
             return self.attend(q, kv_rows, None, win_ids, None, pos)
         if self.index_source == self.layer:
             scores = self.index_scores_batched(x, qr, pos, *batch.pages(("idx", self.kv_source)))  # [rows, 1, N]
-            visible = ((pos + 1) // self.ratio)[:, None]
+            visible = batch[("visible", self.ratio)][:, None]
             cand = shared.get("candidates") if self.uses_candidates else None
             if self.is_candidate_source:
                 cfg = self.cfg
@@ -560,7 +560,10 @@ class Attention(nn.Module):
         else:
             kv_table, score_table = batch.write(("kv", self.layer), kv), batch.write(("score", self.layer), score)
             rows = batch.ring_ids(("kv", self.layer), r, every=r)
-            latent, group_pos = self.compressor.pool_rows(kv_table, score_table, rows, x.dtype), pos + 1 - r
+            latent, group_pos = (
+                self.compressor.pool_rows(kv_table, score_table, rows, x.dtype),
+                batch[("group_start", r)],
+            )
         entry, key = self.publish(latent, group_pos)
         batch.append(("kv", self.layer), entry)
         batch.append(("idx", self.layer), key)
@@ -964,15 +967,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         in_place = all(b.engram.in_place(dev) for b in self.layers if hasattr(b, "engram"))
         graphs = self.step_graphs if in_place else None
         batch = DecodeBatch([c.seq_len for c in caches], [c.slots.slot for c in caches], pool, graphs)
-        windows = {("window", i): [c.windows[i] for c in caches] for i in range(cfg.num_hidden_layers)}
+        windows = [("window", i) for i in range(cfg.num_hidden_layers)]
         batch.plan_ring(windows, cfg.sliding_window - 1)  # compact YOCO layers whose windows differ: on their own
-        rings: dict[int, dict] = {}  # compressors of one ratio move together
+        rings: dict[int, list] = {}  # compressors of one ratio move together
         for src, r in ratios.items():
             if r > 1:
-                group, states = rings.setdefault(r, {}), sources[src]
-                group[("kv", src)], group[("score", src)] = [s.kv for s in states], [s.score for s in states]
-        for r, group in rings.items():
-            batch.plan_ring(group, r - 1)
+                rings.setdefault(r, []).extend([("kv", src), ("score", src)])
+        for r, keys in rings.items():
+            batch.plan_ring(keys, r - 1)
         appends: dict[int, tuple[dict, dict]] = {}  # ratio -> (stores, entry widths) by source and kind
         for src, r in ratios.items():
             stores, widths = appends.setdefault(r, ({}, {}))
@@ -981,10 +983,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         for r, (stores, widths) in appends.items():
             batch.plan_append(stores, r, widths, self.dtype)
         for k in range(len(self.mtp)):
-            batch.plan_ring({("dspark", k): [c.dspark_ctx[k] for c in caches]}, 0)
+            batch.plan_ring([("dspark", k)], 0)
         if self.mtp:  # the step writes each request's context key at its position (``_decode_rows``)
             for c in caches:
                 c.ctx_end = c.seq_len + 1
+        batch.plan_positions(ratios.values())
         if ratios:
             first = next(iter(sources.values()))
             batch.plan_tables([s.entries.table for s in first], kv_pools.block_size, bucket=batch.graphs is not None)

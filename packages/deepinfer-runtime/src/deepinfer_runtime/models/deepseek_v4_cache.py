@@ -217,12 +217,10 @@ class SequenceCache:
             yield from (s for s in (lc.compressor, lc.indexer) if s is not None)
 
     @functools.cached_property
-    def step_parts(self) -> tuple[list[Ring], list[CompressorState], list[Ring], list[Ring]]:
-        """What a planned decode step reads of this request, built once (the objects never change, only their
-        bounds): the window rings by layer, the compressor states in ``v4_compressors`` order, their kv and score
-        rings."""
-        states = list(self._states())
-        return [lc.window for lc in self.layers], states, [s.kv for s in states], [s.score for s in states]
+    def compressor_states(self) -> list[CompressorState]:
+        """The compressor states in ``v4_compressors`` order, built once (the objects never change): what a planned
+        decode step reads of this request besides its slot's rings."""
+        return list(self._states())
 
     def release(self) -> None:
         """Give the slot back (the request finished or was preempted)."""

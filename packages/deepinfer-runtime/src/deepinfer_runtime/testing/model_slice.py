@@ -19,6 +19,7 @@ caches replicated by value, and transformers' V4 model built over the same weigh
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import math
@@ -352,6 +353,8 @@ def clone_state(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
         out = obj
     elif isinstance(obj, torch.Tensor):
         out = obj.clone()
+    elif isinstance(obj, array.array):  # a slot pool's ring bounds (its rings share it: memo keeps that)
+        out = array.array(obj.typecode, obj)
     elif isinstance(obj, dict):
         out = {k: clone_state(v, memo) for k, v in obj.items()}
     elif isinstance(obj, list):
@@ -387,8 +390,7 @@ def replicate_cache(base: Any, n: int, pools: Any, table: list[int], free_blocks
         copy_ = clone_state(base, memo)
         state = slots.claim()
         for key, ring in copy_.slots.rings.items():  # the copy's rings (the objects its cache holds) move in
-            state.rings[key].buf.copy_(ring.buf)
-            ring.buf = state.rings[key].buf
+            ring.move_into(state.rings[key])
         state.rings = copy_.slots.rings
         copy_.slots = state
         copies.append(copy_)
