@@ -73,6 +73,18 @@ def test_logits_and_seeded_tokens_do_not_depend_on_the_batch(ckpt, others, budge
     assert tokens == alone_tokens
 
 
+def test_logits_do_not_depend_on_the_batch_with_many_cpu_threads(ckpt):
+    """torch's CPU reductions split a short output's reduction across threads: a reference that reduced over a
+    non-last dim (the compressor's pooling) changed a row's bits with the batch at 8 threads, not at 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        alone = _run(ckpt, 0, 32, seed=42, temperature=1.0)[1]
+        assert torch.equal(_run(ckpt, 8, 64, seed=42, temperature=1.0)[1], alone)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_seeded_sampling_is_reproducible_run_to_run(ckpt):
     first = _run(ckpt, 8, 48, seed=3, temperature=1.0)[0]
     assert _run(ckpt, 8, 48, seed=3, temperature=1.0)[0] == first

@@ -2,13 +2,19 @@
 
 import torch
 
+from deepinfer_kernels.ops._reduce import row_softmax, row_sum
 from deepinfer_kernels.registry import register_reference
 
 
 @register_reference("kv_compress_pool")
 def kv_compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    weights = torch.softmax(score.float(), dim=-2)
-    return (kv.float() * weights).sum(dim=-2).to(kv.dtype)
+    """kv, score [..., L, C] -> [..., C]: the slots' kv weighted by the softmax of their scores over L.
+
+    Both reductions run over a contiguous last dim with ``row_sum``: torch's softmax / sum over dim -2 split the
+    slots across CPU threads when there are few outputs (a decode step), so a group's bits changed with the
+    batch on a many-core host."""
+    weights = row_softmax(score.float().transpose(-1, -2))  # [..., C, L]
+    return row_sum(kv.float().transpose(-1, -2) * weights).squeeze(-1).to(kv.dtype)
 
 
 @register_reference("kv_compress_pool_rows")

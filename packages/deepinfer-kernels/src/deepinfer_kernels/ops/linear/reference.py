@@ -8,7 +8,15 @@ only, never on its position in the tile or on the other rows. The last tile is z
 
 Other references import ``linear_ref`` directly (not the dispatching ``linear``) so that forcing
 references keeps the whole model row-invariant.
+
+Fixed shapes are not enough on a many-core host: MKL's GEMM also chooses its path from the operands' addresses
+and the thread split, so with 16 threads a row's bits still changed with the other rows of its tile (seen on
+the H200 host; 2-8 threads were invariant). MKL's conditional numerical reproducibility in strict mode
+(``MKL_CBWR=AUTO,STRICT``) removes that; MKL reads the variable at its first call, so it is set here, at
+import, unless the user set it.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,7 @@ import torch.nn.functional as F
 from deepinfer_kernels.registry import register_reference
 
 ROW_TILE = 16
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 @register_reference("linear")

@@ -1,16 +1,19 @@
-"""Row invariance of the reference ops on CUDA (skipped without a GPU).
+"""Row invariance of the reference ops and of what batch-invariant mode dispatches to, on CUDA (skipped
+without a GPU) and on the CPU with several intra-op thread counts.
 
 CUDA picks the reduction strategy of .sum()/.mean()/softmax from the tensor's shape, so references that
 reduced that way changed a row's bits with the batch (rms_norm, mhc_coefficients, sparse attention, the
 Engram gate, as measured on an H200). They now reduce with ``ops/_reduce.row_sum``; this test keeps it so.
+The default dispatch is not row-invariant by design (decode shapes take other tiles: ``linear``'s skinny GEMV,
+mHC's adaptive tiles), so the references are forced (``DEEPINFER_FORCE_REFERENCE``); batch-invariant mode
+(``set_batch_invariant``) must give the same guarantee with its own backends.
 """
 
 import deepinfer_kernels as dk
 import pytest
 import torch
-from deepinfer_kernels import MhcConfig, MhcParams
+from deepinfer_kernels import MhcConfig, MhcParams, registry
 
-pytestmark = pytest.mark.gpu
 T = 37
 
 
@@ -23,8 +26,7 @@ def _invariant(fn, *rowed):
     return True
 
 
-def _cases():
-    dev = "cuda"
+def _cases(dev: str = "cuda"):
     g = torch.Generator(device=dev).manual_seed(0)
 
     def r(*shape):
@@ -93,9 +95,37 @@ OPS = [
 ]
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_reference_op_is_row_invariant_on_cuda(op):
+@pytest.fixture(params=["reference", "batch_invariant"])
+def mode(request, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if request.param == "reference":
+        monkeypatch.setenv("DEEPINFER_FORCE_REFERENCE", "1")
+        yield request.param
+    else:
+        monkeypatch.delenv("DEEPINFER_FORCE_REFERENCE", raising=False)
+        registry.set_batch_invariant(True)
+        yield request.param
+        registry.set_batch_invariant(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_op_is_row_invariant_on_cuda(op, mode):
     fn, *rowed = _cases()[op]
-    assert _invariant(fn, *rowed), f"{op} is not row-invariant on CUDA"
+    assert _invariant(fn, *rowed), f"{op} is not row-invariant on CUDA ({mode})"
+
+
+@pytest.mark.parametrize("threads", [2, 4, 8, 16])
+@pytest.mark.parametrize("op", OPS)
+def test_op_is_row_invariant_on_cpu_with_any_thread_count(op, threads):
+    """The CPU's batch-invariant dispatch too: intra-op threading splits work by shape (seen: a 16-core host)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    registry.set_batch_invariant(True)
+    try:
+        fn, *rowed = _cases("cpu")[op]
+        assert _invariant(fn, *rowed), f"{op} is not row-invariant on the CPU with {threads} threads"
+    finally:
+        registry.set_batch_invariant(None)
+        torch.set_num_threads(before)
