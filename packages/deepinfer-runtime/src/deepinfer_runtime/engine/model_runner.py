@@ -65,12 +65,15 @@ class ModelRunner:
             prefill = c.start < req.prefill_len
             prompt_lens.append(req.prefill_len if prefill else None)
             k = len(req.spec_token_ids) if c.sample else 0  # drafts: the anchor's and every draft's row
-            last = torch.arange(c.num_tokens - 1 - k, c.num_tokens) if c.sample else torch.zeros(0, dtype=torch.long)
             # prompt logprobs: row p predicts prompt token p + 1, so rows up to the prompt's second last token
             n_plp = 0
             if req.params.prompt_logprobs is not None:
                 n_plp = max(min(c.start + c.num_tokens, req.num_prompt_tokens - 1) - c.start, 0)
             n_prompt_rows.append(n_plp)
+            if c.sample and k == c.num_tokens - 1 and not n_plp:  # every row (decode, verify): no row tensor
+                rows.append(None)
+                continue
+            last = torch.arange(c.num_tokens - 1 - k, c.num_tokens) if c.sample else torch.zeros(0, dtype=torch.long)
             rows.append(torch.cat([torch.arange(n_plp), last]) if n_plp else last)
         logits = self.model.forward_step(chunks, caches, prompt_lens, rows)
         flight = InFlight()
@@ -116,19 +119,27 @@ class ModelRunner:
 
     def _input_ids(self, chunks) -> list[torch.Tensor]:
         """Every chunk's token ids [n] int64 on the device, as views of one tensor: one pinned, non-blocking copy
-        per step (a copy from pageable memory would wait for the device, undoing asynchronous scheduling). A
-        chunk's pending last token (sampled by the previous launch) is filled in on the device."""
+        per step (a copy from pageable memory would wait for the device, undoing asynchronous scheduling). The
+        chunks' pending last tokens (sampled by the previous launch) are filled in on the device, all in one
+        gather and one scatter whose indices travel in the same copy (not two kernels per request)."""
         ids = [c.request.token_ids(c.start, c.start + c.num_tokens) for c in chunks]
-        out = list(long_tensor([t for chunk in ids for t in chunk], self.device).split([len(chunk) for chunk in ids]))
-        for c, chunk, view in zip(chunks, ids, out):
+        flat = [t for chunk in ids for t in chunk]
+        at, rows, end = [], [], 0  # pending tokens: their places in flat, their rows of the previous launch
+        for c, chunk in zip(chunks, ids):
+            end += len(chunk)
             if chunk[-1] >= 0:
                 continue
             req = c.request
             if -1 in chunk[:-1] or self._prev is None or req.request_id not in self._prev[1]:
                 raise RuntimeError(f"request {req.request_id}: a pending token that the previous step did not sample")
-            prev_tokens, prev_rows = self._prev
-            view[-1] = prev_tokens[prev_rows[req.request_id]]  # device to device: no sync
-        return out
+            at.append(end - 1)
+            rows.append(self._prev[1][req.request_id])
+        n, k = len(flat), len(at)
+        data = long_tensor(flat + at + rows, self.device)
+        tokens = data[:n]
+        if k:  # device to device: no sync
+            tokens.index_copy_(0, data[n : n + k], self._prev[0].index_select(0, data[n + k :]).long())
+        return list(tokens.split([len(chunk) for chunk in ids]))
 
 
 @dataclass

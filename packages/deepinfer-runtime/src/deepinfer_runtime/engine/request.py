@@ -29,7 +29,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the scheduler's lists find it by identity, not by comparing fields
 class Request:
     request_id: str
     prompt: str | None

@@ -135,7 +135,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._chunk_len(req, budget)
             at_cap = req.reached_output_cap or req.num_tokens >= self.config.max_model_len

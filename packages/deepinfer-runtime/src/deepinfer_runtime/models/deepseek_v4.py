@@ -605,11 +605,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         if any(c.slots.pool is not pool for c in caches):
             return None
         plans = v4_compressors(self.cfg)
-        # each request's compressor states in a fixed order, transposed across the batch (in C)
-        states = list(zip(*(c.compressor_states for c in caches)))
         if [s.key for s in caches[0].compressor_states] != list(plans):
             raise RuntimeError("cache compressors do not follow the model's v4_compressors order")
-        stores = [[s.store() for s in col] for col in states]
+        # each request's paged stores in that order, transposed across the batch (in C: 65 a request at full depth)
+        stores = list(zip(*(c.step_stores for c in caches)))
         # a request's stores all come from its cache's one row factory: its first one says whether all are paged
         kv_pools = paged_stores(stores[0]) if plans else None
         if plans and kv_pools is None:

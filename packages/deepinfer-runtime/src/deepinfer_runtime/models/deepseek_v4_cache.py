@@ -222,6 +222,12 @@ class SequenceCache:
         decode step reads of this request besides its slot's rings."""
         return list(self._states())
 
+    @functools.cached_property
+    def step_stores(self) -> list[RowStore]:
+        """Each compressor state's paged store, in ``compressor_states`` order, made once (a state keeps its store
+        for life): what a planned decode step appends to."""
+        return [s.store() for s in self.compressor_states]
+
     def release(self) -> None:
         """Give the slot back (the request finished or was preempted)."""
         self.slots.release()
