@@ -554,17 +554,12 @@ class Attention(nn.Module):
         the entries of the requests that complete one. A group is pooled from the rings in place, by the requests
         that complete it (the others' rows are empty: NaN entries, stored in the scratch row)."""
         kv, score = self.compressor.project(x)
-        r, pos = self.ratio, batch["pos"]
-        if r == 1:
-            latent, group_pos = kv, pos
-        else:
+        r, latent = self.ratio, kv
+        if r > 1:
             kv_table, score_table = batch.write(("kv", self.layer), kv), batch.write(("score", self.layer), score)
             rows = batch.ring_ids(("kv", self.layer), r, every=r)
-            latent, group_pos = (
-                self.compressor.pool_rows(kv_table, score_table, rows, x.dtype),
-                batch[("group_start", r)],
-            )
-        entry, key = self.publish(latent, group_pos)
+            latent = self.compressor.pool_rows(kv_table, score_table, rows, x.dtype)
+        entry, key = self.publish(latent, batch[("group_start", r)])  # ratio 1: the row's own position
         batch.append(("kv", self.layer), entry)
         batch.append(("idx", self.layer), key)
 
