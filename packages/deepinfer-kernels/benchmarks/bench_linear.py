@@ -9,6 +9,10 @@ once) and % of the ceilings; appends JSON lines to benchmarks/results/linear.jso
 
 ``--decode``: the decode-size projections of V4 / V4.1 at 1, 2 and 8 rows, replayed from CUDA graphs (a step's
 view: no launch overhead), ``triton_skinny`` (the default backend there) against cuBLAS, with GB/s of the weight.
+
+``--many``: ``linear_many`` at 1, 2 and 8 rows on the sets of projections a V4 / V4.1 decode step makes of one
+input (an attention layer's, a shared expert's gate and up), CUDA graphs: one launch (``triton_skinny``) against
+one ``linear`` per weight (the ``loop`` backend: skinny / cuBLAS each), GB/s of all the weights.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from deepinfer_kernels.ops.linear.cublas import linear_cublas  # noqa: E402
 from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
 from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
 from deepinfer_kernels.ops.linear.triton_skinny import linear_skinny, serves  # noqa: E402
+from deepinfer_kernels.ops.linear_many.reference import linear_many_loop  # noqa: E402
+from deepinfer_kernels.ops.linear_many.triton import linear_many_skinny  # noqa: E402
 
 # (name, N, K, activation dtype): V4.1-Flash dense projections (hidden 5120) in bf16, router and head in fp32
 SHAPES = [
@@ -98,10 +104,42 @@ def decode_table(rec, ceil) -> None:
             print("  ".join(f"{row[c]:>20.4g}" if isinstance(row[c], float) else f"{row[c]:>20}" for c in cols))
 
 
+# (name, K, [(N, fp32 output)]): the projections of one normed input in a decode step
+MANY_SETS = [
+    ("v4 csa attention", 4096, [(1024, 0), (512, 0), (1024, 1), (1024, 1), (64, 0), (256, 1), (256, 1)]),
+    ("v4 hca attention", 4096, [(1024, 0), (512, 0), (512, 1), (512, 1)]),
+    ("v4 swa attention", 4096, [(1024, 0), (512, 0)]),
+    ("v4 shared gate+up", 4096, [(2048, 1), (2048, 1)]),
+    ("v41 source attention", 5120, [(1280, 0), (512, 0), (512, 1), (512, 1), (32, 0)]),
+    ("v41 swa attention", 5120, [(1280, 0), (512, 0)]),
+    ("v41 shared gate+up", 5120, [(2304, 1), (2304, 1)]),
+]
+
+
+def many_table(rec, ceil) -> None:
+    print("\n== linear_many, CUDA graphs (us; GB/s and % of copy for all the weights)")
+    cols = ["set", "M", "loop_us", "many_us", "speedup", "many_GBps", "many_%copy"]
+    print("  ".join(f"{c:>20}" for c in cols))
+    for name, k, parts in MANY_SETS:
+        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for n, _ in parts]
+        dts = [torch.float32 if f else None for _, f in parts]
+        nbytes = sum(w.numel() for w in ws) * 2
+        for m in (1, 2, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            loop = graph_us(lambda x=x, ws=ws, dts=dts: linear_many_loop(x, ws, dts))
+            many = graph_us(lambda x=x, ws=ws, dts=dts: linear_many_skinny(x, ws, dts))
+            gbs = nbytes / many / 1e3
+            row = {"set": name, "M": m, "loop_us": loop, "many_us": many, "speedup": loop / many, "many_GBps": gbs,
+                   "many_%copy": 100 * gbs / ceil["copy_GBps"]}  # fmt: skip
+            rec.add(kind="many", K=k, N=[n for n, _ in parts], **row)
+            print("  ".join(f"{row[c]:>20.4g}" if isinstance(row[c], float) else f"{row[c]:>20}" for c in cols))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
     ap.add_argument("--decode", action="store_true", help="only the decode projections (triton_skinny vs cuBLAS)")
+    ap.add_argument("--many", action="store_true", help="only linear_many's decode sets (one launch vs a loop)")
     args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
@@ -109,8 +147,11 @@ def main() -> None:
     print("ceilings:", {k: round(v, 1) for k, v in ceil.items()}, flush=True)
     rec = Recorder("linear")
     rec.add(kind="ceilings", **ceil)
-    if args.decode:
-        decode_table(rec, ceil)
+    if args.decode or args.many:
+        if args.decode:
+            decode_table(rec, ceil)
+        if args.many:
+            many_table(rec, ceil)
         return
     table = [bench_case(rec, ceil, name, m, n, k, dt) for name, n, k, dt in shapes for m in m_sizes]
     print("\n== linear (us; TFLOP/s and % of ceilings for triton_fixed)")

@@ -22,6 +22,7 @@ from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_scores_paged, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, kv_compress_pool_rows, overlap_windows
 from deepinfer_kernels.ops.linear import ROW_TILE, linear
+from deepinfer_kernels.ops.linear_many import linear_many
 from deepinfer_kernels.ops.mhc import (
     MhcConfig,
     MhcParams,
@@ -118,6 +119,7 @@ __all__ = [
     "engram_rows_in_place",
     "engram_table_primes",
     "linear",
+    "linear_many",
     "ROW_TILE",
     "apply_token_bitmask",
     "fp8_gemm_nt",

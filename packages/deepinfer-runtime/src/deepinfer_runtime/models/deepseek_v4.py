@@ -65,6 +65,7 @@ from deepinfer_runtime.models.layers import (
     draft_block_inputs,
     draft_block_key_ids,
     param,
+    project,
 )
 from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
 
@@ -111,18 +112,19 @@ class Compressor(nn.Module):
         entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
-    def decode(self, x: torch.Tensor, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor) -> None:
-        """``forward`` for a planned decode step (``decode_batch``): x [rows, d], one row per request; ``key`` =
-        (name, layer) of its rings and store. The requests whose row completes a group pool it from their rings in
-        place (the others' rows are empty: their NaN entries go to the scratch row the plan gave them)."""
+    def decode(self, kv, score, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
+        """``forward`` for a planned decode step (``decode_batch``), from the step's projections kv = x wkv^T and
+        score = x wgate^T ([rows, width] fp32, one row per request; ``Attention.decode`` makes them with the
+        layer's other projections of x); entries in ``dtype``; ``key`` = (name, layer) of its rings and store.
+        The requests whose row completes a group pool it from their rings in place (the others' rows are empty:
+        their NaN entries go to the scratch row the plan gave them)."""
         r, c = self.ratio, self.head_dim
-        kv = linear(x, self.wkv.weight, out_dtype=torch.float32)
-        score = linear(x, self.wgate.weight, out_dtype=torch.float32) + self.ape[batch[("pos_mod", r)]]
+        score = score + self.ape[batch[("pos_mod", r)]]
         kv_table, score_table = batch.write((*key, "kv"), kv), batch.write((*key, "score"), score)
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
         rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
-        batch.append(key, rope_interleaved(self.norm(pooled.to(x.dtype)), batch[("group_start", r)], inv_freq))
+        batch.append(key, rope_interleaved(self.norm(pooled.to(dtype)), batch[("group_start", r)], inv_freq))
 
 
 class Indexer(nn.Module):
@@ -137,13 +139,13 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, self.head_dim, overlap=True, dtype=dtype)
 
     def query(
-        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self, x: torch.Tensor | None, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, xw=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, d], qr [S, q_lora_rank] -> (post-RoPE queries [S, H, Dh], head weights [S, H] fp32 with the
-        1/sqrt(H) scale)."""
+        1/sqrt(H) scale). ``xw``: x weights_proj^T when the caller made it already (x is then not read)."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
-        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, (self.weights_proj(x) if xw is None else xw).float() * self.n_heads**-0.5
 
     def forward(
         self,
@@ -161,15 +163,22 @@ class Indexer(nn.Module):
         scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
         return indexer_topk(scores, visible, self.topk)[0]
 
-    def decode(self, x: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq) -> torch.Tensor:
-        """``forward`` for a planned decode step: x [rows, d], qr [rows, q_lora_rank] -> entry ids [rows, k]."""
+    def decode(self, proj: list[torch.Tensor], qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq):
+        """``forward`` for a planned decode step from the step's projections of x [rows, d] (``proj`` = [x
+        weights_proj^T, x compressor.wkv^T, x compressor.wgate^T], see ``projections``) and qr [rows, q_lora_rank]
+        -> entry ids [rows, k]."""
         pos = batch["pos"]
-        self.compressor.decode(x, batch, ("idx", layer), inv_freq)
+        self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, qr.dtype)
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
-        q, weights = self.query(x, qr, pos, inv_freq)
+        q, weights = self.query(None, qr, pos, inv_freq, xw=proj[0])
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = batch[("visible", self.ratio)][:, None]  # a request's rows past its own entries are never visible
         return indexer_topk(scores, visible, self.topk)[:, 0]
+
+    def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
+        """The indexer's projections of the layer's normed input x, in ``decode``'s ``proj`` order."""
+        c, f32 = self.compressor, torch.float32
+        return [self.weights_proj, c.wkv, c.wgate], [None, f32, f32]
 
 
 class Attention(nn.Module):
@@ -197,16 +206,17 @@ class Attention(nn.Module):
         yarn = None if self.kind == SLIDING else cfg.yarn
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, base, yarn), persistent=False)
 
-    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D])."""
-        qr = self.q_norm(self.wq_a(x))
+    def query(self, x: torch.Tensor, pos: torch.Tensor, xa=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D]).
+        ``xa``: x wq_a^T when the caller made it already."""
+        qr = self.q_norm(self.wq_a(x) if xa is None else xa)
         q = rms_norm(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), None, self.cfg.rms_norm_eps)
         # in place on the fresh normed queries: RoPE moves 64 of each head's 512 channels, not all of them
         return qr, rope_interleaved(q, pos, self.inv_freq, out=q)
 
-    def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D]."""
-        kv = self.kv_norm(self.wkv(x))
+    def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
+        """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D] (``xkv``: x wkv^T, made already)."""
+        kv = self.kv_norm(self.wkv(x) if xkv is None else xkv)
         return rope_interleaved(kv, pos, self.inv_freq, out=kv)
 
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -251,18 +261,32 @@ class Attention(nn.Module):
             kv_all = (rows, entries.to(rows.dtype))  # two segments: [window rows | entries]
         return sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
 
+    def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
+        """Every projection of the normed input x a decode step makes, with its out dtype: wq_a, wkv, then the
+        compressor's wkv / wgate (fp32), then the indexer's (``Indexer.projections``). ``decode`` makes them in one
+        ``project`` call (one launch at decode sizes)."""
+        lins, dts = [self.wq_a, self.wkv], [None, None]
+        if self.kind != SLIDING:
+            lins += [self.compressor.wkv, self.compressor.wgate]
+            dts += [torch.float32, torch.float32]
+        if self.kind == CSA:
+            more, more_dts = self.indexer.projections()
+            lins, dts = lins + more, dts + more_dts
+        return lins, dts
+
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d] (normed), one row per request ->
         [rows, d]. One attention call over two segments: the window rows of every request [rows x W, D] and the
         pool of compressed entries, read in place through each request's block table."""
         pos = batch["pos"]
-        qr, q = self.query(x, pos)
-        kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos))
+        proj = project(x, *self.projections())
+        qr, q = self.query(x, pos, xa=proj[0])
+        kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         if self.kind != SLIDING:
             key = ("comp", self.layer)
-            self.compressor.decode(x, batch, key, self.inv_freq)
+            self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
             if self.kind == CSA:
-                picked = self.indexer.decode(x, qr, batch, self.layer, self.inv_freq)
+                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq)
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)

@@ -73,6 +73,7 @@ from deepinfer_runtime.models.layers import (
     draft_block_inputs,
     draft_block_key_ids,
     param,
+    project,
 )
 from deepinfer_runtime.slot_pool import (
     CacheSnapshot,
@@ -323,6 +324,16 @@ class Compressor(nn.Module):
         f32 = torch.float32
         return linear(x, self.wkv.weight, out_dtype=f32), linear(x, self.wgate.weight, out_dtype=f32)
 
+    def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
+        """``project``'s matrix products of x, with their out dtypes (``projected`` finishes them)."""
+        if self.ratio == 1:
+            return [self.wkv], [None]
+        return [self.wkv, self.wgate], [torch.float32, torch.float32]
+
+    def projected(self, ys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``project`` from the products ``projections`` lists (made by the caller with its own)."""
+        return (self.norm(ys[0]), None) if self.ratio == 1 else (ys[0], ys[1])
+
     def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """kv, score [G, ratio, D] fp32 -> normed latents [G, D] in ``dtype``."""
         return self.norm(kv_compress_pool(kv, score).to(dtype))
@@ -380,15 +391,17 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, base, yarn), persistent=False)
 
     # --- row-invariant primitives, shared with the reference model -------------------------------------
-    def query(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [S, d] -> (q_lat [S, q_lora_rank], q [S, H, D] rotated). V4.1 has no per-head q norm."""
-        qr = self.q_norm(self.wq_a(x))
+    def query(self, x: torch.Tensor, pos: torch.Tensor, xa=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, d] -> (q_lat [S, q_lora_rank], q [S, H, D] rotated). V4.1 has no per-head q norm. ``xa``: x
+        wq_a^T when the caller made it already."""
+        qr = self.q_norm(self.wq_a(x) if xa is None else xa)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         return qr, rope_interleaved(q, pos, self.inv_freq, out=q)  # in place: only the rotated channels move
 
-    def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored."""
-        kv = self.kv_norm(self.wkv(x))
+    def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
+        """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored (``xkv``: x wkv^T, made
+        already)."""
+        kv = self.kv_norm(self.wkv(x) if xkv is None else xkv)
         kv = rope_interleaved(kv, pos, self.inv_freq, out=kv)
         return fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant else kv
 
@@ -401,15 +414,16 @@ class Attention(nn.Module):
             entry, key = fake_quant_e2m1(entry, 16, "e4m3"), fake_quant_e2m1(key, 32, "ue8m0")
         return entry, key
 
-    def index_query(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def index_query(self, x, qr: torch.Tensor, pos: torch.Tensor, xw=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, d], qr [S, q_lora_rank] at ``pos`` -> (the indexer's post-RoPE queries [S, H, Dh], FP4-simulated
-        where the model quantises, and head weights [S, H] fp32 with the 1/sqrt(H) scale)."""
+        where the model quantises, and head weights [S, H] fp32 with the 1/sqrt(H) scale). ``xw``: x
+        weights_proj^T when the caller made it already (x is then not read)."""
         ix = self.indexer
         qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
         qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
         if self.fake_quant:
             qi = fake_quant_e2m1(qi, 32, "ue8m0")
-        return qi, ix.weights_proj(x).float() * ix.n_heads**-0.5
+        return qi, (ix.weights_proj(x) if xw is None else xw).float() * ix.n_heads**-0.5
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
         """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]; -inf past each query's
@@ -520,14 +534,16 @@ class Attention(nn.Module):
         """``forward_chunk`` for every request of a planned decode step at once (one row each, no YOCO floor):
         x [rows, d] -> [rows, d]. ``shared`` carries top-k / candidates [rows, .] between layers of the step."""
         pos = batch["pos"]
+        proj = project(x, *self.projections())
         if self.kv_source == self.layer:
-            self.feed_compressor_decode(x, batch)
-        qr, q = self.query(x, pos)
-        kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos))
+            self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
+        qr, q = self.query(x, pos, xa=proj[0])
+        kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
         if self.index_source == self.layer:
-            scores = self.index_scores_batched(x, qr, pos, *batch.pages(("idx", self.kv_source)))  # [rows, 1, N]
+            pages = batch.pages(("idx", self.kv_source))
+            scores = self.index_scores_batched(proj[-1], qr, pos, *pages)  # [rows, 1, N]
             visible = batch[("visible", self.ratio)][:, None]
             cand = shared.get("candidates") if self.uses_candidates else None
             if self.is_candidate_source:
@@ -542,23 +558,36 @@ class Attention(nn.Module):
         kv = (kv_rows, batch.kv[key].flat.to(kv_rows.dtype))
         return self.attend_rows(q, kv, torch.cat([win_ids, rows], dim=1), pos)
 
-    def index_scores_batched(self, x, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """``index_scores`` of one query row per request: x [rows, d], qr [rows, q_lora_rank] at ``pos`` [rows]
-        against each request's keys, read in place from ``pool`` [blocks, R, Dh] through ``tables`` [rows, nblk]
-        -> [rows, 1, nblk x R] fp32."""
-        qi, weights = self.index_query(x, qr, pos)
+    def index_scores_batched(self, xw, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """``index_scores`` of one query row per request: xw = x weights_proj^T [rows, H], qr [rows, q_lora_rank]
+        at ``pos`` [rows] against each request's keys, read in place from ``pool`` [blocks, R, Dh] through
+        ``tables`` [rows, nblk] -> [rows, 1, nblk x R] fp32."""
+        qi, weights = self.index_query(None, qr, pos, xw=xw)
         return indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
 
-    def feed_compressor_decode(self, x: torch.Tensor, batch: DecodeBatch) -> None:
-        """``feed_compressor`` of one row per request: every row publishes the group ending at it; the plan keeps
-        the entries of the requests that complete one. A group is pooled from the rings in place, by the requests
-        that complete it (the others' rows are empty: NaN entries, stored in the scratch row)."""
-        kv, score = self.compressor.project(x)
+    def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
+        """Every projection of the normed input x a decode step makes, with its out dtype: wq_a, wkv, then on a KV
+        source the compressor's (``Compressor.projections``), last on an index source the indexer's weights_proj.
+        ``forward_decode`` makes them in one ``project`` call (one launch at decode sizes)."""
+        lins, dts = [self.wq_a, self.wkv], [None, None]
+        if self.kv_source == self.layer:
+            more, more_dts = self.compressor.projections()
+            lins, dts = lins + more, dts + more_dts
+        if self.index_source == self.layer:
+            lins, dts = lins + [self.indexer.weights_proj], dts + [None]
+        return lins, dts
+
+    def feed_compressor_decode(self, projected, dtype: torch.dtype, batch: DecodeBatch) -> None:
+        """``feed_compressor`` of one row per request, from ``Compressor.projected`` of the step's rows (latents
+        in ``dtype``): every row publishes the group ending at it; the plan keeps the entries of the requests that
+        complete one. A group is pooled from the rings in place, by the requests that complete it (the others'
+        rows are empty: NaN entries, stored in the scratch row)."""
+        kv, score = projected
         r, latent = self.ratio, kv
         if r > 1:
             kv_table, score_table = batch.write(("kv", self.layer), kv), batch.write(("score", self.layer), score)
             rows = batch.ring_ids(("kv", self.layer), r, every=r)
-            latent = self.compressor.pool_rows(kv_table, score_table, rows, x.dtype)
+            latent = self.compressor.pool_rows(kv_table, score_table, rows, dtype)
         entry, key = self.publish(latent, batch[("group_start", r)])  # ratio 1: the row's own position
         batch.append(("kv", self.layer), entry)
         batch.append(("idx", self.layer), key)

@@ -22,6 +22,7 @@ from deepinfer_kernels import (
     fp8_block_quantize,
     fp8_gemm_nt,
     linear,
+    linear_many,
     moe_experts,
     rms_norm,
 )
@@ -85,6 +86,18 @@ class Linear(nn.Module):
         a, a_scale = act_quant_fp8(rows, self.block)
         y = fp8_gemm_nt(a, a_scale, self.qweight, self.scale, self.block, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def project(x: torch.Tensor, linears: list[Linear], out_dtypes: list[torch.dtype | None]) -> list[torch.Tensor]:
+    """x [..., K] through several ``Linear`` of the same input, each ``linear(x, weight, out_dtype)`` (None: x's
+    dtype; FP8 Linears asked for x's dtype run their own GEMM): the plain weights in one ``linear_many`` call,
+    which at decode sizes streams them all in one launch."""
+    plain = [i for i, (m, dt) in enumerate(zip(linears, out_dtypes)) if m.block is None or dt is not None]
+    outs: list[torch.Tensor | None] = [None if i in plain else m(x) for i, m in enumerate(linears)]
+    if plain:
+        for i, y in zip(plain, linear_many(x, [linears[i].weight for i in plain], [out_dtypes[i] for i in plain])):
+            outs[i] = y
+    return outs  # type: ignore[return-value]
 
 
 class Norm(nn.Module):

@@ -35,19 +35,19 @@ SKINNY_MAX_ROWS = 8  # rows of x (one 16-row tensor-core tile); more go to cuBLA
 SKINNY_MAX_N = 1280  # weight rows served at up to SKINNY_MAX_ROWS rows (32-column blocks)
 SKINNY_WIDE_N, SKINNY_WIDE_ROWS = 2304, 2  # and wider weights up to these at batch 1-2 (64-column blocks)
 BLOCK_M, BLOCK_K, K_SPLIT = 16, 128, 512
-_COUNTERS = 1 << 14  # column blocks a launch may use (N / BLOCK_N)
+COUNTERS = 1 << 14  # column blocks a launch may use (N / BLOCK_N)
 
 
 @triton.jit
-def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+def skinny_tile(
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, tile, pid_k, M, N, K, K_SPLIT, SPLIT, WS_N, ws_col,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    """Column block ``tile`` of out = x w^T ([M, K] x [N, K]^T), K split ``pid_k``: partials go to columns
+    ``ws_col`` + of the fp32 workspace [SPLIT, M, WS_N]; ``cnt_ptr`` is this block's arrival counter (several
+    weights can share one workspace and counter set: ``linear_many``)."""
     rm = tl.arange(0, BLOCK_M)
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rn = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
@@ -68,30 +68,43 @@ def _skinny_kernel(
     if SPLIT == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = ws_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        part = ws_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * WS_N + ws_col + rn[None, :]
         tl.store(part, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the one release below
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:  # the last of the column block: add the partials in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT):
-                p = ws_ptr + (s * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+                p = ws_ptr + (s * M + rm[:, None]).to(tl.int64) * WS_N + ws_col + rn[None, :]
                 total += tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    skinny_tile(
+        x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr + pid_n, pid_n, tl.program_id(1), M, N, K, K_SPLIT, SPLIT, N, 0,
+        BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT,
+    )  # fmt: skip
 
 
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _counter_block(device: torch.device) -> torch.Tensor:
+def counter_block(device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters, one set per (device, stream): kernels on two streams may run at once; each launch
     leaves its counters at zero again."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream)
     buf = _counters.get(key)
     if buf is None:
-        buf = _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buf
 
 
@@ -125,12 +138,12 @@ def linear_skinny(
     w = weight.contiguous()
     block_n, block_k, k_split, split = cfg or skinny_config(n, k)
     tiles = triton.cdiv(n, block_n)
-    if tiles > _COUNTERS:
+    if tiles > COUNTERS:
         return linear_cublas(x, weight, out_dtype)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _skinny_kernel[(tiles, split)](
-        a, w, out, ws, _counter_block(x.device), m, n, k, k_split, split,
+        a, w, out, ws, counter_block(x.device), m, n, k, k_split, split,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=interpreting(),
         num_warps=4, num_stages=4,
     )  # fmt: skip

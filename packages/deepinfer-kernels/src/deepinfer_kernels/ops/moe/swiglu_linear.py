@@ -6,8 +6,9 @@ the reference does, in another order); the clamped SwiGLU runs in fp32 as the re
 to the weights' dtype for the down projection (as transformers' V4 MLP does), which is where this backend
 differs from the reference most: about 2^-9 relative per element of the hidden state.
 
-Batch-invariant exactly when ``linear`` is: it dispatches ``linear``, which in batch-invariant mode admits only
-row-invariant GEMMs; registered ``batch_invariant=True``.
+Batch-invariant exactly when ``linear`` is: it dispatches ``linear`` and ``linear_many`` (gate and up in one
+launch at decode sizes), which in batch-invariant mode admit only row-invariant GEMMs; registered
+``batch_invariant=True``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels.ops.linear import linear
+from deepinfer_kernels.ops.linear_many import linear_many
 from deepinfer_kernels.registry import register_backend
 
 from .reference import swiglu_clamp_ref, swiglu_mlp_ref
@@ -27,8 +29,8 @@ def swiglu_mlp_gemms(x, w1, w3, w2, swiglu_limit: float | None, act) -> torch.Te
     reference when x or a weight is not 16-bit (or the dtypes differ)."""
     if x.dtype not in _HALF or any(w.dtype != x.dtype for w in (w1, w3, w2)):
         return swiglu_mlp_ref(x, w1, w3, w2, swiglu_limit=swiglu_limit)
-    f32 = torch.float32
-    return linear(act(linear(x, w1, out_dtype=f32), linear(x, w3, out_dtype=f32), swiglu_limit), w2)
+    gate, up = linear_many(x, [w1, w3], [torch.float32, torch.float32])  # one launch at decode sizes
+    return linear(act(gate, up, swiglu_limit), w2)
 
 
 def swiglu_mlp_linear(
