@@ -210,6 +210,7 @@ def engram_rows_in_place(rows: torch.Tensor, device: torch.device | str) -> bool
 
 
 try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+    from . import hash_triton as _hash_triton  # noqa: F401
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass
