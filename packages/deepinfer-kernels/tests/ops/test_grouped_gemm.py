@@ -196,9 +196,9 @@ def _interp_moe_experts() -> None:
         os.environ[f"DEEPINFER_BACKEND_{op}"] = "triton"
     from deepinfer_kernels.ops.moe import triton as moe_backend
 
-    e, d, inter, top = 12, 64, 32, 3
+    e, d, inter, top = 40, 64, 32, 3
     w13, w2 = stacks(e, d, inter, seed=3, dtype=torch.bfloat16)
-    for t in (1, 7):  # 3 rows: gathered; 21 rows: sorted
+    for t in (1, 7):  # 3 rows of 40 experts: gathered; 21 rows: sorted
         x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         experts, weights = routing(t, e, top, seed=t)
         assert moe_backend.gather_layout(t, top, e) == (t == 1)
@@ -307,22 +307,22 @@ def test_gpu_moe_experts_fp32_weights(t):
 
 @pytest.mark.gpu
 def test_gpu_batch_invariant(v4_stacks):
-    """A token alone (gathered layout) equals the same token among 8 (gathered), 512 (sorted, narrow tiles) and
-    4096 (sorted, wide tiles), bitwise, through moe_experts, in normal and in batch-invariant mode."""
+    """A token alone (gathered layout) equals the same token among 4 (gathered), 8 and 512 (sorted, narrow tiles)
+    and 4096 (sorted, wide tiles), bitwise, through moe_experts, in normal and in batch-invariant mode."""
     from deepinfer_kernels.ops.grouped_gemm import triton as backend
     from deepinfer_kernels.ops.moe import triton as moe_backend
 
     w13, w2 = v4_stacks
     x, experts, weights = _tokens(4096, V4, seed=7)
     d, _, e, k = V4
-    assert moe_backend.gather_layout(8, k, e) and not moe_backend.gather_layout(512, k, e)
+    assert moe_backend.gather_layout(4, k, e) and not moe_backend.gather_layout(8, k, e)
     assert backend._grouped_cfg(torch.bfloat16, 512 * k, e) is not backend._grouped_cfg(torch.bfloat16, 4096 * k, e)
     for invariant in (False, True):
         registry.set_batch_invariant(invariant)
         try:
             assert registry.resolve("moe_experts", "cuda") is moe_backend.moe_experts_triton
             full = moe_experts(x, experts, weights, w13, w2, swiglu_limit=LIMIT)
-            for t in (8, 512):
+            for t in (4, 8, 512):
                 part = moe_experts(x[:t], experts[:t], weights[:t], w13, w2, swiglu_limit=LIMIT)
                 assert_bitwise(part, full[:t], f"{t} tokens vs the same among 4096")
             for tok in (0, 5, 300, 4095):

@@ -34,11 +34,15 @@ from deepinfer_kernels.registry import register_backend
 from .reference import moe_experts_ref
 
 # at most one (token, slot) row per GATHER_EXPERTS_PER_ROW experts takes the gathered layout: rows of one
-# expert re-read its weights there, which the sorted layout avoids at the price of the sort and the tile list.
-# V4-Flash on an H200 (bench_grouped_gemm.py --threshold, CUDA graphs, session 8: one-launch sort and tile list):
-# gathered 0.504 / 0.938 / 1.288 / 1.901 ms against sorted 0.520 / 0.914 / 1.217 / 1.539 ms at 8 / 16 / 21 / 32
-# tokens; with 256 experts and top-6, T <= 14 gathers (T <= 21 while the sort took ~30 small launches)
-GATHER_EXPERTS_PER_ROW = 3
+# expert re-read its weights there, which the sorted layout avoids at the price of the sort and the tile list, so
+# the crossing depends on how many rows share an expert. Uniform random routing (bench_grouped_gemm.py
+# --threshold, V4-Flash, H200, session 8): gathered 0.504 / 0.938 / 1.288 ms against sorted 0.520 / 0.914 /
+# 1.217 ms per layer at 8 / 16 / 21 tokens. The model slices route 48 rows of 8 tokens to 20-30 experts (skew a
+# trained router and speculative verification show too); whole decode steps there (gpu_model_slice.py, session 10,
+# pipelined ms, gathered vs sorted): V4 1.54 / 1.78 / 2.11 / 2.80 vs 1.61 / 1.87 / 2.16 / 2.66 and V4.1 3.11 /
+# 3.76 / 4.86 / 6.46 vs 3.40 / 4.01 / 4.90 / 6.02 at batch 1 / 2 / 4 / 8. 10 gathers up to 4 tokens on V4
+# (256 experts, top-6) and 6 on V4.1 (384): the skewed steps' crossing, at most ~3% behind on uniform routing.
+GATHER_EXPERTS_PER_ROW = 10
 
 
 def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
