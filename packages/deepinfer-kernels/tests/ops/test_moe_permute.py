@@ -107,7 +107,7 @@ def test_gpu_sort_and_tile_list():
     from deepinfer_kernels.registry import resolve
 
     cases = [(t, 6, 256, False) for t in (1, 8, 22, 64, 256, 682)] + [(256, 6, 256, True), (64, 6, 384, False)]
-    cases.append((backend.SORT_MAX_PAIRS // 6 + 1, 6, 256, False))  # past the one-program sort: the reference
+    cases.append((backend.SORT_MAX_PAIRS // 6 + 1, 6, 256, False))  # past SORT_MAX_PAIRS: the reference
     _sort_cases(cases, "cuda", 7)
     assert resolve("moe_sort", "cuda") is backend.moe_sort_triton
 

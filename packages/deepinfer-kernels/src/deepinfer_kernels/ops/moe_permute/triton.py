@@ -5,11 +5,13 @@ token: batch-invariant). The compiler may contract the weight multiply and the a
 differ from the reference in the last fp32 bit (tests allow that).
 
 ``moe_sort`` (up to ``SORT_MAX_PAIRS`` pairs, the decode sizes; more go to the reference's radix sort): a stable
-counting sort in one program. A histogram pass gives each expert's count and offset; a second pass walks the pairs
-in chunks of CHUNK in order and places pair p at its expert's running position plus its rank among the chunk's
-earlier pairs of that expert (a CHUNK x CHUNK comparison), then advances the running positions by the chunk's
-histogram. One launch instead of the argsort (a radix sort of 27 us at batch 64 on an H200), gather, arange and
-searchsorted; integers only, so the result equals the reference's exactly.
+counting sort in one launch, one program per chunk of CHUNK pairs. Each program histograms all the pairs (each
+expert's count, hence its first sorted row) and, on the way, those of the chunks before its own; it places pair p
+of its chunk at its expert's first row plus the earlier chunks' pairs of that expert plus p's rank among its own
+chunk's earlier pairs of that expert (a CHUNK x CHUNK comparison). Chunks no longer wait for each other (a single
+program walking the chunks in order took 50 us for the 1536 pairs of batch 256 on an H200), and it replaces the
+argsort (a radix sort of 27 us at batch 64), gather, arange and searchsorted; integers only, so the result equals
+the reference's exactly.
 """
 
 from __future__ import annotations
@@ -58,27 +60,27 @@ def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None):
 
 @triton.jit
 def _moe_sort_kernel(exp_ptr, order_ptr, off_ptr, run_ptr, P, E, NB: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)  # this program places the pairs of chunk c
     bins = tl.arange(0, NB)
     lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([NB], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):  # bin E takes the lanes past P (NB > E)
-        e = tl.load(exp_ptr + c0 + lane, mask=c0 + lane < P, other=E).to(tl.int32)
-        counts += tl.histogram(e, NB)
-    running = tl.cumsum(counts, 0) - counts  # each expert's first sorted row; running[E] = P
-    tl.store(off_ptr + bins, running.to(tl.int64), mask=bins <= E)
-    tl.store(run_ptr + bins, running)
-    tl.debug_barrier()
-    earlier = lane[None, :] < lane[:, None]
+    total = tl.zeros([NB], dtype=tl.int32)  # pairs per expert (bin E takes the lanes past P: NB > E)
+    before = tl.zeros([NB], dtype=tl.int32)  # pairs per expert in the chunks before c
     for c0 in range(0, P, CHUNK):
-        ok = c0 + lane < P
-        e = tl.load(exp_ptr + c0 + lane, mask=ok, other=E).to(tl.int32)
-        rank = tl.sum(((e[:, None] == e[None, :]) & earlier).to(tl.int32), axis=1)
-        base = tl.load(run_ptr + e)
-        tl.store(order_ptr + base + rank, (c0 + lane).to(tl.int64), mask=ok)
-        running += tl.histogram(e, NB)
-        tl.debug_barrier()  # every lane has read this chunk's positions before they advance
-        tl.store(run_ptr + bins, running)
-        tl.debug_barrier()
+        e = tl.load(exp_ptr + c0 + lane, mask=c0 + lane < P, other=E).to(tl.int32)
+        h = tl.histogram(e, NB)
+        total += h
+        before += tl.where(c0 < c * CHUNK, h, 0)
+    start = tl.cumsum(total, 0) - total  # each expert's first sorted row; start[E] = P
+    if c == 0:
+        tl.store(off_ptr + bins, start.to(tl.int64), mask=bins <= E)
+    tl.store(run_ptr + c * NB + bins, start + before)  # the chunk's first sorted row per expert
+    tl.debug_barrier()  # every lane's bins are written before any lane reads one
+    c0 = c * CHUNK
+    ok = c0 + lane < P
+    e = tl.load(exp_ptr + c0 + lane, mask=ok, other=E).to(tl.int32)
+    earlier = lane[None, :] < lane[:, None]
+    rank = tl.sum(((e[:, None] == e[None, :]) & earlier).to(tl.int32), axis=1)  # earlier lanes of one expert
+    tl.store(order_ptr + tl.load(run_ptr + c * NB + e) + rank, (c0 + lane).to(tl.int64), mask=ok)
 
 
 def moe_sort_triton(experts: torch.Tensor, num_experts: int):
@@ -90,8 +92,9 @@ def moe_sort_triton(experts: torch.Tensor, num_experts: int):
     nb = triton.next_power_of_2(num_experts + 1)
     order = torch.empty(p, dtype=torch.int64, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
-    running = torch.empty(nb, dtype=torch.int32, device=flat.device)
-    _moe_sort_kernel[(1,)](
+    chunks = triton.cdiv(p, SORT_CHUNK)
+    running = torch.empty(chunks, nb, dtype=torch.int32, device=flat.device)
+    _moe_sort_kernel[(chunks,)](
         flat.contiguous(), order, offsets, running, p, num_experts, NB=nb, CHUNK=SORT_CHUNK, num_warps=4
     )
     return order, offsets
