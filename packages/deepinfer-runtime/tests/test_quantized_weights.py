@@ -15,7 +15,7 @@ from deepinfer_kernels import (
 )
 from deepinfer_kernels.ops import moe as moe_ops
 from deepinfer_kernels.registry import set_batch_invariant
-from deepinfer_runtime.models.layers import Experts, Linear, quantize_weights_
+from deepinfer_runtime.models.layers import Experts, Linear, project, quantize_weights_
 from deepinfer_runtime.testing import model_slice as ms
 
 V41_TINY = dict(
@@ -48,6 +48,25 @@ def test_fp8_linear_is_the_gemm_op_and_close_to_the_dequantised_path(block, dtyp
     assert y.shape == (3, 5, 200) and y.dtype == dtype
     assert rel(y.float(), before) < 0.06  # weight + per-(1 x block) activation quantisation
     assert lin(x[:0]).shape == (0, 5, 200)
+
+
+def test_project_mixes_fp8_and_plain_linears():
+    """``project`` (a decode step's projections of one input): FP8 Linears asked for x's dtype run their own GEMM,
+    the others (and an FP8 one asked for fp32, through its dequantised weight) are exactly ``linear`` each."""
+    from deepinfer_kernels import linear
+
+    torch.manual_seed(0)
+    lins = [Linear(256, n, torch.bfloat16) for n in (64, 32, 48)]
+    for m in lins:
+        m.weight.data.normal_(0, 0.05)
+    lins[0].quantize_fp8_(128)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    f32 = torch.float32
+    a, b, c = project(x, lins, [None, None, f32])
+    assert torch.equal(a, lins[0](x)) and torch.equal(b, linear(x, lins[1].weight))
+    assert c.dtype == f32 and torch.equal(c, linear(x, lins[2].weight, out_dtype=f32))
+    (d,) = project(x, lins[:1], [f32])
+    assert d.dtype == f32 and torch.equal(d, linear(x, lins[0].weight, out_dtype=f32))
 
 
 def test_fp8_linear_refuses_a_k_not_multiple_of_the_block():
