@@ -11,6 +11,11 @@ and cumulative time. Writes JSON.
     python benchmarks/profile_step.py --phase prefill --context 4096
     python benchmarks/profile_step.py --tiny --device cpu       # smoke run
     python benchmarks/profile_step.py --cuda-graphs --timeline --batches 1,64   # one graph step, kernel by kernel
+    python benchmarks/profile_step.py --cuda-graphs --enqueue --batches 1,64,256  # host-bound or device-bound
+
+``--enqueue`` (decode, CUDA): the host's time to plan and launch a step (until ``forward_step`` returns) against the
+device's (CUDA events around it), synchronised, and the time per step launched back to back: the pipelined loop is
+host-bound when the first exceeds the device's time.
 
 ``--timeline`` (decode, CUDA): the kernels of one step in launch order with the gap before each, the step's GPU span
 (first kernel start to last kernel end), busy time and idle time, and the kernels grouped by name (the floor ratio's
@@ -24,6 +29,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -145,6 +151,34 @@ def _timeline(step, steps: int = 3) -> dict:
     }  # fmt: skip
 
 
+def _enqueue(step, steps: int = 10) -> dict:
+    """Median host enqueue ms (``step()`` returning), device ms (events around it) and synchronised ms of ``steps``
+    single steps, then the ms per step of ``steps`` steps launched back to back."""
+    for _ in range(3):
+        step()
+    host, device, total = [], [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        step()
+        end.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        total.append((time.perf_counter() - t0) * 1e3)
+        device.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    piped = (time.perf_counter() - t0) * 1e3 / steps
+    med = statistics.median
+    return {"host_enqueue_ms": med(host), "device_ms": med(device), "sync_ms": med(total), "pipelined_ms": piped}
+
+
 def _print_timeline(title: str, rec: dict, show: int = 30) -> None:
     print(
         f"\n== {title}: {rec['kernels']} kernels, GPU span {rec['span_us']:.0f} us, busy {rec['busy_us']:.0f} us, "
@@ -183,6 +217,7 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="decode steps from CUDA graphs (enable_cuda_graphs)")
     ap.add_argument("--shapes", action="store_true", help="group ops by input shapes (eager steps show them)")
     ap.add_argument("--timeline", action="store_true", help="decode on CUDA: one step's kernels in order, by family")
+    ap.add_argument("--enqueue", action="store_true", help="decode on CUDA: host enqueue vs device time of a step")
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     args = ap.parse_args()
     from deepinfer_runtime.kv_pool import KVPools
@@ -211,6 +246,17 @@ def main() -> None:
             prefill(model, arch, [base], [rand_ids(args.context, dev, gen)], 8192, dev)
             for b in batches:
                 caches = replicate_cache(base, b, pools, table, iter(range(blocks, pools.num_blocks)))
+                if args.enqueue and torch.device(dev).type == "cuda":
+                    dgen = torch.Generator(device=dev).manual_seed(b)  # token ids drawn on the device: no host copy
+                    rec = _enqueue(
+                        lambda m=model, c=caches, b=b, g=dgen: decode_step(
+                            m, c, torch.randint(3, 129000, (b,), generator=g, device=dev)
+                        )
+                    )
+                    results[f"{arch} b{b} enqueue"] = rec
+                    print(f"{arch} decode batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in rec.items()), flush=True)
+                    caches = None
+                    continue
                 if args.timeline and torch.device(dev).type == "cuda":
                     rec = _timeline(lambda m=model, c=caches, b=b: decode_step(m, c, rand_ids(b, dev, gen)))
                     results[f"{arch} b{b} timeline"] = rec
