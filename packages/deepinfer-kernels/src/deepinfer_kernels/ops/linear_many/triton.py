@@ -97,20 +97,20 @@ def linear_many_skinny(x: torch.Tensor, weights: list[torch.Tensor], out_dtypes:
     m = a.shape[0]
     k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
     split = triton.cdiv(k, k_split)
-    ws_ = [w.contiguous() for w in weights]
-    outs = [torch.empty(m, w.shape[0], dtype=dt or x.dtype, device=x.device) for w, dt in zip(ws_, out_dtypes)]
+    mats = [w.contiguous() for w in weights]
+    outs = [torch.empty(m, w.shape[0], dtype=dt or x.dtype, device=x.device) for w, dt in zip(mats, out_dtypes)]
     ends, total = [], 0
-    for w in ws_:
+    for w in mats:
         total += triton.cdiv(w.shape[0], BLOCK_N)
         ends.append(total)
     ws = torch.empty(split, m, total * BLOCK_N, dtype=torch.float32, device=x.device) if split > 1 else outs[0]
     parts = []
     for p in range(MAX_PARTS):  # unused slots repeat the first weight; PARTS keeps them out of the kernel
-        q = p if p < len(ws_) else 0
-        parts += [ws_[q], outs[q], ws_[q].shape[0], ends[q] if p < len(ws_) else total]
+        q = p if p < len(mats) else 0
+        parts += [mats[q], outs[q], mats[q].shape[0], ends[q] if p < len(mats) else total]
     _many_kernel[(total, split)](
         a, ws, counter_block(x.device), m, k, k_split, split, total * BLOCK_N, *parts,
-        PARTS=len(ws_), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32_DOT=interpreting(),
+        PARTS=len(mats), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32_DOT=interpreting(),
         num_warps=4, num_stages=4,
     )  # fmt: skip
     return [o.reshape(*lead, o.shape[1]) for o in outs]
