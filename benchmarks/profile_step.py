@@ -38,7 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_model_slice import PAGE_TOKENS, decode_step, prefill, rand_ids, sync, tiny_dims  # noqa: E402
+from gpu_model_slice import PAGE_TOKENS, decode_step, pipelined, prefill, rand_ids, sync, tiny_dims  # noqa: E402
 
 
 def _build(arch: str, dev: str, tiny: bool):
@@ -169,13 +169,8 @@ def _enqueue(step, steps: int = 10) -> dict:
         host.append((t1 - t0) * 1e3)
         total.append((time.perf_counter() - t0) * 1e3)
         device.append(start.elapsed_time(end))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    piped = (time.perf_counter() - t0) * 1e3 / steps
     med = statistics.median
+    piped = pipelined(step, "cuda", steps) * 1e3
     return {"host_enqueue_ms": med(host), "device_ms": med(device), "sync_ms": med(total), "pipelined_ms": piped}
 
 

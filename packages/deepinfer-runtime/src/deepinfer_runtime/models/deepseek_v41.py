@@ -319,10 +319,9 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Ratio 2: fp32 (kv, score) per token; ratio 1: the normed latent per token (model dtype)."""
-        if self.ratio == 1:
-            return self.norm(self.wkv(x)), None
-        f32 = torch.float32
-        return linear(x, self.wkv.weight, out_dtype=f32), linear(x, self.wgate.weight, out_dtype=f32)
+        return self.projected(
+            [m(x) if dt is None else linear(x, m.weight, out_dtype=dt) for m, dt in zip(*self.projections())]
+        )
 
     def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
         """``project``'s matrix products of x, with their out dtypes (``projected`` finishes them)."""

@@ -37,11 +37,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
         raise ValueError(f"linear: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"linear: out_dtype must be None or torch.float32, got {out_dtype}")
-    if out_dtype is None or x.dtype == torch.float32:  # an fp32 x already computes in fp32 (weight upcast)
-        return dispatch("linear", x.device, x, weight)
-    if weight.dtype != x.dtype:  # mixed low precisions: no single tensor-core GEMM; upcast both (exact)
-        return dispatch("linear", x.device, x.float(), weight.float())
-    return dispatch("linear", x.device, x, weight, out_dtype=torch.float32)
+    a, w, dt = backend_args(x, weight, out_dtype)
+    return dispatch("linear", x.device, a, w) if dt is None else dispatch("linear", x.device, a, w, out_dtype=dt)
+
+
+def backend_args(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
+    """The (x, weight, out_dtype) a ``linear`` backend computes a checked call with: an fp32 x already computes in
+    fp32 (the weight upcast), mixed low precisions upcast both (no single tensor-core GEMM; exact), else out_dtype
+    as asked (None or fp32)."""
+    if out_dtype is None or x.dtype == torch.float32:
+        return x, weight, None
+    if weight.dtype != x.dtype:
+        return x.float(), weight.float(), None
+    return x, weight, torch.float32
 
 
 from . import cublas as _cublas  # noqa: E402,F401  (registers the CUDA backend)
