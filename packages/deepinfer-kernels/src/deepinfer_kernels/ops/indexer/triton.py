@@ -7,10 +7,16 @@ Grid (ceil(S / BLOCK_S), ceil(N / SPAN), B). A program stacks the H heads of BLO
 tensor-core dot (fp32 accumulation; fp32 inputs use exact-fp32 "ieee" dots), then ReLU, the scale and the head
 weights in the reference's order, and one tl.sum over the H heads of each query. SPAN is one tile while the query
 blocks alone cannot fill the GPU (decode), eight in prefill; with ``visible`` a program stops at the last key its
-queries see and writes -inf past it (a causal prefill computes half the scores). The tile sizes are constants and
-a score is one dot whatever SPAN is, so its bits depend only on its query and key, not on S or N: the backend is
-batch-invariant (and invariant in N, which grows during decode). H and Dh must be powers of two (V4: 64 x 128,
-V4.1: 32 x 128); other shapes fall back to the reference.
+queries see and writes -inf past it (a causal prefill computes half the scores). A score is one dot whatever SPAN
+is, so its bits depend only on its query and key, not on S or N: the backend is batch-invariant (and invariant in
+N, which grows during decode). H and Dh must be powers of two (V4: 64 x 128, V4.1: 32 x 128); other shapes fall
+back to the reference.
+
+One query per request (S = 1: every decode step) stacks DECODE_ROWS = 64 rows instead of ROWS = 128: 128 rows of
+V4.1's 32 heads are one live query and three masked ones, so three quarters of each dot, of the head sums and of
+the registers were padding. 64 rows keep the dot a Hopper wgmma of the same K steps, so a score's bits are those of
+the 128-row tile (the GPU tests compare a query alone with the same query inside S = 64 and S = 2048, bitwise);
+V4.1's 32 rows alone would be 20% faster again but compile to mma.sync, whose bits differ.
 
 ``indexer_scores_paged`` is the same kernel reading each key row through the request's block table (the tile
 arithmetic is unchanged: bitwise the dense op over the gathered keys). ``indexer_topk`` on CUDA is the radix
@@ -32,6 +38,12 @@ from .reference import indexer_scores_paged_ref, indexer_scores_ref
 BLOCK_N = 64
 ROWS = 128  # BLOCK_S * H: stacked (query, head) rows per program
 SPAN_TILES = 8  # key tiles per program in prefill (q loaded once for 512 keys)
+# S = 1 (decode): 64 stacked rows (one V4 query, or one V4.1 query and a masked one: wgmma's M is 64), four key
+# tiles a program once that still gives every SM a program. H200, CUDA graphs (session 11), one query per request
+# against 1-8K paged keys: 1.4-2.2x the 128-row tile from batch 1 to 256 (batch 256, 32 heads: 2048 keys 99.8 ->
+# 47.7 us, 4096 keys 192.5 -> 86.8 us, the keys streamed at 2.8-3.1 TB/s).
+DECODE_ROWS = 64
+DECODE_SPAN_TILES = 4
 
 
 @triton.jit
@@ -106,11 +118,17 @@ def _launch(q, k, tables, rpb: int, weights, softmax_scale: float, n: int, visib
     t = tables.contiguous() if tables is not None else weights  # dummy pointer when dense
     vis = visible.to(device=q.device, dtype=torch.int64).contiguous() if visible is not None else weights
     k_sb, k_sn = (0, k.stride(1)) if tables is not None else (k.stride(0), k.stride(1))
-    block_s = max(1, ROWS // h)
-    # keys per program: one tile while the query blocks alone leave SMs idle (decode), else SPAN_TILES tiles, so a
-    # program's queries are loaded once for many keys. A score's arithmetic does not depend on it (one dot per tile)
-    query_blocks = triton.cdiv(s, block_s) * b
-    span = BLOCK_N * (SPAN_TILES if query_blocks >= 2 * sm_count(q.device) else 1)
+    sms = sm_count(q.device)
+    # keys per program: one tile while the query blocks alone leave SMs idle, else SPAN_TILES tiles (S = 1: four
+    # while that still gives every SM a program), so a program's queries are loaded once for many keys. A score's
+    # arithmetic does not depend on it (one dot per tile)
+    if s == 1:
+        block_s = max(1, DECODE_ROWS // h)
+        wide = b * triton.cdiv(n, BLOCK_N * DECODE_SPAN_TILES) >= sms
+        span = BLOCK_N * (DECODE_SPAN_TILES if wide else 1)
+    else:
+        block_s = max(1, ROWS // h)
+        span = BLOCK_N * (SPAN_TILES if triton.cdiv(s, block_s) * b >= 2 * sms else 1)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (triton.cdiv(s, block_s), triton.cdiv(n, span), b)
     _indexer_scores_kernel[grid](
