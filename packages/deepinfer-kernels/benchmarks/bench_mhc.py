@@ -3,8 +3,8 @@ identity sublayer) with the Triton backends vs the plain-torch references, bf16 
 V4-Flash (d = 4096) and V4.1-Flash (d = 5120) widths, as GB/s and % of the device-to-device copy ceiling
 measured in the same run. The Triton rows also give each op's own time; for decode sizes the whole sublayer is
 timed again as one CUDA graph replay (``graph_us``), i.e. without the Python launch overhead, with the
-batch-invariant coefficients and with the default ``triton_adaptive`` ones (``adaptive_graph_us``: the decode tiling
-up to 16 tokens).
+batch-invariant coefficients and with the default ``triton_adaptive`` ones (``adaptive_graph_us``: its tilings
+up to 64 tokens).
 
 Bytes counted (the floor of the sublayer): coefficients read x and fn and write pre/post/comb; collapse reads
 x and pre and writes u; expand reads x, y (= u), post and comb and writes the new streams.

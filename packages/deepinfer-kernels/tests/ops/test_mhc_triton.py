@@ -74,7 +74,7 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
     what = f"{x.dtype} T={x.shape[0]} n={n} d={x.shape[2]} eps={eps}"
     ref = mhc_coefficients_ref(x, *site, norm_eps, hc_eps, iters)
     h_ref = mhc_head_weights_ref(x, *head, norm_eps, hc_eps)
-    # the adaptive backend: its decode tiling up to DECODE_MAX_TOKENS tokens, the invariant one above
+    # the adaptive backend: its tier's tiling up to ADAPTIVE_MAX_TOKENS tokens, the invariant one above
     for coef, head_w in (
         (mhc_coefficients_triton, mhc_head_weights_triton),
         (mhc_coefficients_triton_adaptive, mhc_head_weights_triton_adaptive),
@@ -141,6 +141,8 @@ INTERP_CASES = {
             (3, 4, 300, (0.5, 0.05, 3)),  # exaggerated eps: a misplaced epsilon moves results far
             (4, 4, 96, (1e-20, 1e-6, 1)),  # one Sinkhorn pass, V4.1's norm eps
             (2, 3, 40, (1e-6, 1e-6, 20)),  # n not a power of two: padded comb / rows
+            (20, 4, 64, (1e-6, 1e-6, 20)),  # the adaptive backend's 32-token tier: two token tiles
+            (40, 4, 64, (1e-6, 1e-6, 20)),  # and its 64-token tier
         )
     )
 }
@@ -163,7 +165,7 @@ def test_backends_registered():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [4096, 5120])  # V4-Flash, V4.1-Flash
-@pytest.mark.parametrize("t", [1, 7, 16, 64, 4096])
+@pytest.mark.parametrize("t", [1, 7, 16, 32, 64, 256, 4096])  # every ADAPTIVE_MIX tier and past them
 def test_gpu_matches_reference(t, d, dtype):
     x, site, head, y = _inputs(t, 4, d, dtype, "cuda", seed=t + d)
     _check_all(x, site, head, y)

@@ -25,9 +25,9 @@ At decode sizes the cost is latency, not bytes: each BLOCK_K step of the mixes k
 (about 1 us on an H200), and the 20 Sinkhorn rounds of the epilogue run on a single warp, so a sublayer's mHC
 work stays far above its byte floor at T = 1 (see ``benchmarks/bench_mhc.py``).
 
-Backend ``triton_adaptive`` (the default outside batch-invariant mode) runs calls of at most DECODE_MAX_TOKENS
-tokens with a decode tiling (shorter chunks, 16-token tiles): a token's bits then depend on T's side of that
-threshold, so it is not registered batch-invariant.
+Backend ``triton_adaptive`` (the default outside batch-invariant mode) runs calls of at most ADAPTIVE_MAX_TOKENS
+tokens with tilings for their size (shorter chunks and token tiles, ``ADAPTIVE_MIX``): a token's bits then depend
+on which tier T falls in, so it is not registered batch-invariant.
 
 ``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
 store; purely elementwise per token, hence batch-invariant too.
@@ -52,12 +52,19 @@ BLOCK_T = 128
 BLOCK_K = 64
 MIX_WARPS = 8
 MIX_STAGES = 3
-# Backend ``triton_adaptive`` (not batch-invariant): up to DECODE_MAX_TOKENS tokens take 16-token tiles, 256-column
-# chunks (twice the programs, half the dependent steps each) and 128-column steps. H200 sweep (session 8, n = 4,
-# d = 4096 / 5120): 14.1 -> 9.1 us for the coefficients of 1 or 8 tokens. From 64 tokens on the invariant
-# configuration is within 20% of the best one measured.
-DECODE_MAX_TOKENS = 16
-DECODE_MIX = {"CHUNK": 256, "BLOCK_T": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# Backend ``triton_adaptive`` (not batch-invariant): (at most this many tokens, tiling), first match; larger calls
+# take the invariant configuration. 256-column chunks give twice the invariant split's programs with half the
+# dependent steps each, and token tiles no larger than T keep the tensor cores' work to the live rows. H200, n = 4,
+# d = 4096 / 5120: up to 16 tokens 14.1 -> 9.1 us for the coefficients (session 8); at 64 tokens the mixes 9.5 ->
+# 3.7-5.2 us and a whole sublayer's mHC in a graph 21.6 -> 17.8 / 21.8 -> 19.3 us (session 11). At 256 tokens the
+# twice as many partials cost the per-token epilogue more than the shorter chunks save (27.0 -> 30.1 us), so the
+# tiers stop at 64.
+ADAPTIVE_MIX = (
+    (16, {"CHUNK": 256, "BLOCK_T": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+    (32, {"CHUNK": 256, "BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+    (64, {"CHUNK": 256, "BLOCK_T": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+)
+ADAPTIVE_MAX_TOKENS = ADAPTIVE_MIX[-1][0]
 EPI_WARPS = 1  # one token per epilogue program
 BLOCK_D = 1024  # columns per collapse / expand program
 ELEM_WARPS = 4
@@ -198,9 +205,10 @@ def _split(k: int, chunk: int | None = None) -> int:
 
 def _mix_config(t: int, adaptive: bool) -> dict:
     """The mixes kernel's chunking and tiling: the invariant one (module constants, read at call time so that
-    benchmarks can sweep them), or for ``adaptive`` calls of at most DECODE_MAX_TOKENS tokens the decode one."""
-    if adaptive and t <= DECODE_MAX_TOKENS:
-        return DECODE_MIX
+    benchmarks can sweep them), or for ``adaptive`` calls the first ``ADAPTIVE_MIX`` tier that holds T tokens."""
+    for max_tokens, cfg in ADAPTIVE_MIX if adaptive else ():
+        if t <= max_tokens:
+            return cfg
     return {"CHUNK": CHUNK, "BLOCK_T": BLOCK_T, "BLOCK_K": BLOCK_K, "num_warps": MIX_WARPS, "num_stages": MIX_STAGES}
 
 
@@ -308,12 +316,14 @@ def mhc_expand_triton(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb
 
 
 def mhc_coefficients_triton_adaptive(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    """``mhc_coefficients`` with the decode tiling for a few tokens (``DECODE_MIX``): not batch-invariant."""
+    """``mhc_coefficients`` with the tilings for up to ADAPTIVE_MAX_TOKENS tokens (``ADAPTIVE_MIX``): not
+    batch-invariant."""
     return mhc_coefficients_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, adaptive=True)
 
 
 def mhc_head_weights_triton_adaptive(x, fn, base, scale, norm_eps, hc_eps):
-    """``mhc_head_weights`` with the decode tiling for a few tokens (``DECODE_MIX``): not batch-invariant."""
+    """``mhc_head_weights`` with the tilings for up to ADAPTIVE_MAX_TOKENS tokens (``ADAPTIVE_MIX``): not
+    batch-invariant."""
     return mhc_head_weights_triton(x, fn, base, scale, norm_eps, hc_eps, adaptive=True)
 
 
