@@ -8,8 +8,11 @@ switched on later in a process: the tests run their interpreter cases in a child
 """
 
 import functools
+import os
 
 import torch
+
+PDL_ENV = "DEEPINFER_PDL"  # "0" turns programmatic dependent launch off (``pdl_options``)
 
 
 @functools.cache
@@ -51,3 +54,25 @@ def require_same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"triton backend: tensors on several devices {sorted(map(str, devices))}")
     if next(iter(devices)).type == "cpu" and not interpreting():
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch options of a kernel that begins with ``_pdl.pdl_prologue(PDL)``: programmatic dependent launch on
+    Hopper and later (``{"PDL": True, "launch_pdl": True}``), nothing elsewhere (older GPUs, the interpreter, or
+    ``DEEPINFER_PDL=0``).
+
+    With it the GPU may start the kernel's programs while the kernel before it in the stream is still finishing;
+    the prologue's ``griddepcontrol.wait`` holds them until that kernel has completed and its writes are visible,
+    before they touch memory. The overlap is the launch latency: about 0.3 us per kernel boundary in a CUDA graph of
+    small kernels on an H200 (1.31 -> 1.02 us per launch in a chain of 200 one-program kernels), where a decode step
+    crosses 250-500 boundaries. Numerics are unchanged."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0" or interpreting():
+        return {}
+    return _pdl_options(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_options(index: int) -> dict:
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return {}
+    return {"PDL": True, "launch_pdl": True}

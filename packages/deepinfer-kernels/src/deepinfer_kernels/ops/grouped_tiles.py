@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
+
 
 def expert_tile_schedule_ref(expert_offsets: torch.Tensor, rows: int, block_m: int):
     """Device-side tile list for R = ``rows`` sorted rows: for tile slot i, (expert or -1, first row, end row),
@@ -36,8 +39,9 @@ def expert_tile_schedule_ref(expert_offsets: torch.Tensor, rows: int, block_m: i
 @triton.jit
 def _tile_schedule_kernel(
     off_ptr, cum_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, E, SLOTS,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr, STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # one program: the tiles per expert and their running sum (kept in cum_ptr for the gathers below), then per
     # slot a binary search for the first expert whose tiles end after it (searchsorted(cum, i, right=True))
     e = tl.arange(0, EP)
@@ -79,6 +83,7 @@ def expert_tile_schedule(expert_offsets: torch.Tensor, rows: int, block_m: int):
     _tile_schedule_kernel[(1,)](
         expert_offsets.contiguous(), cum, tile_e, tile_r0, tile_r1, n_exp, slots,
         BLOCK_M=block_m, EP=triton.next_power_of_2(n_exp), SB=256, STEPS=max(1, n_exp.bit_length()), num_warps=4,
+        **pdl_options(expert_offsets.device),
     )  # fmt: skip
     return tile_e, tile_r0, tile_r1, slots
 

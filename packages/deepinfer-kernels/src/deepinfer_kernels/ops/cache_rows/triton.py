@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 MAX_BLOCK = 1024
@@ -28,8 +29,9 @@ MAX_BLOCK = 1024
 @triton.jit
 def _ring_rows_kernel(
     pos_ptr, slots_ptr, first_ptr, out_ptr, N, CAP, EVERY, POS_STRIDE, SLOTS_STRIDE, FIRST_STRIDE,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     p = tl.load(pos_ptr + b * POS_STRIDE)
@@ -44,8 +46,9 @@ def _ring_rows_kernel(
 @triton.jit
 def _paged_rows_kernel(
     ids_ptr, tables_ptr, out_ptr, K, W, R, OFFSET, IDS_STRIDE_B, IDS_STRIDE_K, TAB_STRIDE_B, TAB_STRIDE_W,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     in_k = k < K
@@ -60,8 +63,9 @@ def _paged_rows_kernel(
 @triton.jit
 def _scatter_rows_kernel(
     table_ptr, rows_ptr, index_ptr, pos_ptr, C, R, ROW_STRIDE, COL_STRIDE, TABLE_STRIDE,
-    RING: tl.constexpr, BLOCK: tl.constexpr,
+    RING: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     dst = tl.load(index_ptr + b)
@@ -89,7 +93,7 @@ def ring_rows_triton(
         grid = (pos.shape[0], triton.cdiv(n, block))
         _ring_rows_kernel[grid](
             pos, slots, first, out, n, capacity, every, pos.stride(0), slots.stride(0), first.stride(0),
-            BLOCK=block, num_warps=warps,
+            BLOCK=block, num_warps=warps, **pdl_options(pos.device),
         )  # fmt: skip
     return out
 
@@ -106,7 +110,7 @@ def paged_rows_triton(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: i
         _paged_rows_kernel[grid](
             ids, table_ptr, out, k, tables.shape[1], rows_per_block, offset,
             ids.stride(0), ids.stride(1), tables.stride(0), tables.stride(1),
-            BLOCK=block, num_warps=warps,
+            BLOCK=block, num_warps=warps, **pdl_options(ids.device),
         )  # fmt: skip
     return out
 
@@ -119,7 +123,7 @@ def _scatter(table, rows, index, pos, ring: int) -> None:
     block, warps = _block(c)
     _scatter_rows_kernel[(b, triton.cdiv(c, block))](
         table, rows, index.contiguous(), pos.contiguous(), c, max(ring, 1), rows.stride(0), rows.stride(1),
-        table.stride(0), RING=ring > 0, BLOCK=block, num_warps=warps,
+        table.stride(0), RING=ring > 0, BLOCK=block, num_warps=warps, **pdl_options(table.device),
     )  # fmt: skip
 
 

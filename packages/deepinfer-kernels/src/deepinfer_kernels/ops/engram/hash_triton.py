@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from .reference import engram_hash_ids_ref
@@ -24,8 +25,9 @@ BLOCK_T = 64  # positions per program
 def _hash_kernel(
     comp_ptr, hist_ptr, mult_ptr, primes_ptr, out_ptr, S, total, pad_id,
     LOOKBACK: tl.constexpr, HEADS: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # flat position b * S + s
     ok = i < total
     b = i // S
@@ -67,6 +69,7 @@ def engram_hash_ids_triton(compressed, history, multipliers, primes, pad_id: int
             comp, hist, multipliers.to(torch.int64).contiguous(), primes.to(torch.int64).contiguous(), out,
             seq, batch * seq, int(pad_id), LOOKBACK=lookback, HEADS=cols // lookback, C=cols,
             CP=triton.next_power_of_2(cols), HAS_HIST=history is not None, BLOCK_T=BLOCK_T, num_warps=4,
+            **pdl_options(comp.device),
         )  # fmt: skip
     return out
 

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.ops.fp8_gemm.triton import e8m0_to_f32
 from deepinfer_kernels.registry import register_backend
 
@@ -29,7 +30,10 @@ from .reference import engram_gate_inject_ref, engram_gather_rows_ref
 
 
 @triton.jit
-def _gather_kernel(rows_ptr, scale_ptr, ids_ptr, out_ptr, DH, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(
+    rows_ptr, scale_ptr, ids_ptr, out_ptr, DH, SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64)
     row = tl.load(ids_ptr + i)
     cols = tl.arange(0, BLOCK)
@@ -58,7 +62,7 @@ def engram_gather_rows_triton(
         sc = scale.view(torch.uint8) if scale is not None else rows  # dummy pointer when unscaled
         _gather_kernel[(t * c,)](
             rows, sc, ids.contiguous(), out, dh,
-            SCALED=scale is not None, BLOCK=triton.next_power_of_2(dh), num_warps=1,
+            SCALED=scale is not None, BLOCK=triton.next_power_of_2(dh), num_warps=1, **pdl_options(rows.device),
         )  # fmt: skip
     return out
 
@@ -74,8 +78,9 @@ register_backend(
 @triton.jit
 def _gate_kernel(
     x_ptr, k_ptr, v_ptr, w_ptr, mask_ptr, out_ptr, D, x_st, k_st, v_st, eps, inv_sqrt_d,
-    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     n = tl.num_programs(1)
@@ -125,7 +130,7 @@ def engram_gate_inject_triton(x, key, value, w, image_mask, eps=1e-20):
         _gate_kernel[(t, n)](
             x, key, value, w, mask if mask is not None else x, out, d, x.stride(0), key.stride(0), value.stride(0),
             float(eps), 1.0 / math.sqrt(d), HAS_MASK=mask is not None, BLOCK=min(triton.next_power_of_2(d), 2048),
-            num_warps=4,
+            num_warps=4, **pdl_options(x.device),
         )  # fmt: skip
     return out
 

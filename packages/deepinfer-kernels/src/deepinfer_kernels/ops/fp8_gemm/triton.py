@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
 from deepinfer_kernels.registry import register_backend
 
@@ -41,8 +43,9 @@ def _fp8_gemm_nt_kernel(
     M, N, K, KB_PER_SPLIT,
     SB: tl.constexpr,  # scale block along K (and along N for b)
     A_E8M0: tl.constexpr, B_E8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # axis 0 walks N so that consecutive programs share the same A rows (A stays in L2, B streams);
     # axis 2 is the K split: split s covers K-blocks [s * KB_PER_SPLIT, (s + 1) * KB_PER_SPLIT)
     pid_n = tl.program_id(0)
@@ -123,10 +126,12 @@ def _launch(a, a_scale, b, b_scale, block, out_dtype, fixed: bool) -> torch.Tens
     _fp8_gemm_nt_kernel[grid](
         a2, sa, b.contiguous(), sb, ws, m, n, k, kb_per_split,
         SB=block, A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_options(a2.device),
     )  # fmt: skip
     if split > 1:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+        split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
+        )
     return c.reshape(*lead, n)
 
 

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
@@ -78,8 +79,9 @@ def _grouped_kernel(
     N_OUT, K, limit,
     GATHER: tl.constexpr, HAS_INDEX: tl.constexpr, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_RS: tl.constexpr, TERMS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # contiguous: axis 0 walks N (the programs of one tile run together and share its x rows in L2); gather:
     # axis 0 walks the rows (no 65535 limit on their number)
     pid_n = tl.program_id(1 if GATHER else 0)
@@ -172,7 +174,7 @@ def _launch(x, w, out, row_scale, tile_e, tile_r0, tile_r1, index, slots, gather
         GATHER=gather, HAS_INDEX=index is not None, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None,
         HAS_RS=row_scale is not None, TERMS=_TERMS[x.dtype], IEEE=w.dtype == torch.float32 or interpreting(),
         EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device),
     )  # fmt: skip
 
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.ops.linear.triton import _config as _linear_config
 from deepinfer_kernels.ops.split_k import split_sum_kernel
 from deepinfer_kernels.registry import register_backend
@@ -27,7 +28,9 @@ def _grouped_linear_kernel(
     x_ptr, w_ptr, c_ptr,
     M, G, N, K, K_PER_SPLIT, x_stride_m, x_stride_g,
     F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # c is [SPLIT, M, G, N]; x[:, g] is [M, K] with row stride x_stride_m; W_g rows are weight rows g*N..g*N+N-1
     n_tiles = tl.cdiv(N, BLOCK_N)
     g = tl.program_id(0) // n_tiles
@@ -77,11 +80,13 @@ def grouped_linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.
     _grouped_linear_kernel[grid](
         x, w, ws, m, g, n, k, k_per_split, x.stride(0), x.stride(1),
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )  # fmt: skip
     if split > 1:
         mn = m * g * n
-        split_sum_kernel[(triton.cdiv(mn, 1024),)](ws, c, mn, SPLIT=split, BLOCK=1024, num_warps=4)
+        split_sum_kernel[(triton.cdiv(mn, 1024),)](
+            ws, c, mn, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
+        )
     return c
 
 

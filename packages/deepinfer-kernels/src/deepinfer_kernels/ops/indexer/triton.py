@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, sm_count, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import (
+    interpreting,
+    pdl_options,
+    require_same_device,
+    sm_count,
+    triton_cuda_available,
+)
 from deepinfer_kernels.registry import register_backend
 
 from ..topk_select.triton import topk_select_triton
@@ -51,8 +58,9 @@ def _indexer_scores_kernel(
     q_ptr, k_ptr, t_ptr, w_ptr, o_ptr, v_ptr, S, N, scale,
     q_sb, q_ss, q_sh, k_sb, k_sn, t_sb, w_sb, w_ss, o_sb, o_ss, v_sb,
     H: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RPB: tl.constexpr, VIS: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RPB: tl.constexpr, VIS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(2).to(tl.int64)
     s0 = tl.program_id(0) * BLOCK_S
     n_beg = tl.program_id(1) * SPAN
@@ -137,7 +145,7 @@ def _launch(q, k, tables, rpb: int, weights, softmax_scale: float, n: int, visib
         out.stride(0), out.stride(1), vis.stride(0),
         H=h, DH=dh, BLOCK_S=block_s, BLOCK_N=BLOCK_N, SPAN=span, DOT_PREC=prec,
         UPCAST=interpreting() and prec != "ieee", RPB=rpb, VIS=visible is not None,
-        num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2,
+        num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2, **pdl_options(q.device),
     )  # fmt: skip
     return out
 

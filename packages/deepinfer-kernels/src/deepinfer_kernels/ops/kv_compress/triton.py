@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 TILE = 4096  # slots x channels per program (fp32 registers: two tiles live at once)
@@ -25,8 +26,9 @@ TILE = 4096  # slots x channels per program (fp32 registers: two tiles live at o
 @triton.jit
 def _pool_kernel(
     kv_ptr, score_ptr, rows_ptr, out_ptr, L, C, CK, LEAD, OFF_B,
-    GATHER: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
+    GATHER: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     g = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, BL)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -61,7 +63,7 @@ def _launch(kv, score, rows, out, slots, width, lead, gather: bool) -> torch.Ten
         grid = (out.shape[0], triton.cdiv(width, bc))
         _pool_kernel[grid](
             kv, score, rows, out, slots, width, ck, lead, ck - width,
-            GATHER=gather, BL=bl, BC=bc, num_warps=4,
+            GATHER=gather, BL=bl, BC=bc, num_warps=4, **pdl_options(kv.device),
         )  # fmt: skip
     return out
 

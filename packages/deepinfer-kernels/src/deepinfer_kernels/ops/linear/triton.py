@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
 from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
 from deepinfer_kernels.registry import register_backend
 
@@ -23,7 +24,9 @@ def _linear_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K, K_PER_SPLIT,
     F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # axis 0 walks N (consecutive programs share A rows in L2 while W streams), axis 2 is the K split
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -80,10 +83,12 @@ def linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.
     _linear_kernel[grid](
         a, weight.to(x.dtype).contiguous(), ws, m, n, k, k_per_split,
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_options(a.device),
     )  # fmt: skip
     if split > 1:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+        split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
+        )
     return c.reshape(*lead, n)
 
 

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from .cublas import linear_cublas
@@ -85,8 +86,9 @@ def skinny_tile(
 def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     skinny_tile(
         x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr + pid_n, pid_n, tl.program_id(1), M, N, K, K_SPLIT, SPLIT, N, 0,
@@ -145,7 +147,7 @@ def linear_skinny(
     _skinny_kernel[(tiles, split)](
         a, w, out, ws, counter_block(x.device), m, n, k, k_split, split,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=interpreting(),
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=4, **pdl_options(a.device),
     )  # fmt: skip
     return out.reshape(*lead, n)
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
 from deepinfer_kernels.ops.linear.triton_skinny import (
     BLOCK_K,
     BLOCK_M,
@@ -53,8 +54,10 @@ def _many_kernel(
     w0, o0, n0, e0, w1, o1, n1, e1, w2, o2, n2, e2, w3, o3, n3, e3,
     w4, o4, n4, e4, w5, o5, n5, e5, w6, o6, n6, e6, w7, o7, n7, e7,
     PARTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Weight p owns column blocks [e_{p-1}, e_p) of the grid (e_{-1} = 0) and writes o_p (its own dtype)."""
+    pdl_prologue(PDL)
     _part(x_ptr, w0, o0, n0, 0, e0, ws_ptr, cnt_ptr, M, K, K_SPLIT, SPLIT, WS_N, BM, BN, BK, F32_DOT)
     if PARTS > 1:
         _part(x_ptr, w1, o1, n1, e0, e1, ws_ptr, cnt_ptr, M, K, K_SPLIT, SPLIT, WS_N, BM, BN, BK, F32_DOT)
@@ -111,7 +114,7 @@ def linear_many_skinny(x: torch.Tensor, weights: list[torch.Tensor], out_dtypes:
     _many_kernel[(total, split)](
         a, ws, counter_block(x.device), m, k, k_split, split, total * BLOCK_N, *parts,
         PARTS=len(mats), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32_DOT=interpreting(),
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=4, **pdl_options(a.device),
     )  # fmt: skip
     return [o.reshape(*lead, o.shape[1]) for o in outs]
 

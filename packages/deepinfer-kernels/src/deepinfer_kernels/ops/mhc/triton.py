@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 # Mixes: K columns per split (fixes each token's reduction order), tokens and columns per program step. Chosen
@@ -74,8 +75,9 @@ ELEM_WARPS = 4
 def _mixes_partial_kernel(
     x_ptr, fn_ptr, ws_ptr, T, K,
     ROWS: tl.constexpr, NPAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_FN: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_FN: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     pid_s = tl.program_id(0)
     tok = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = tok < T
@@ -126,11 +128,12 @@ def _coefficients_epilogue_kernel(
     ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     T, K, norm_eps, hc_eps, iters,
     N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
-    SP2: tl.constexpr, COMB: tl.constexpr,
+    SP2: tl.constexpr, COMB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token. Its workspace row [pre n | post n | comb n*n | sum of squares] is viewed as an [RB, NP]
     tile of rows of n: row 0 pre, row 1 post, rows 2..n+1 the comb rows j (columns k), then the sum of
     squares at (n + 2, 0); the head (COMB=False) has row 0 pre and the sum of squares at (1, 0)."""
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, RB)[:, None]
     c = tl.arange(0, NP)[None, :]
@@ -165,7 +168,8 @@ def _coefficients_epilogue_kernel(
 
 
 @triton.jit
-def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -178,8 +182,10 @@ def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.cons
 
 @triton.jit
 def _expand_kernel(
-    x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr
+    x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -230,6 +236,7 @@ def _mixes_workspace(
         xs, fn.float().contiguous(), ws, t, k,
         ROWS=rows, NPAD=npad, CHUNK=cfg["CHUNK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT_FN=bf16, F32_DOT=not bf16 or interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(xs.device),
     )  # fmt: skip
     return ws, split, npad
 
@@ -262,7 +269,7 @@ def mhc_coefficients_triton(
     _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
         t, n * d, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-        **_epilogue_meta(n, npad, split, comb=True),
+        **_epilogue_meta(n, npad, split, comb=True), **pdl_options(ws.device),
     )  # fmt: skip
     return pre, post, comb
 
@@ -285,7 +292,7 @@ def mhc_head_weights_triton(
     _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, pre, pre,
         t, n * d, float(norm_eps), float(hc_eps), 1,
-        **_epilogue_meta(n, npad, split, comb=False),
+        **_epilogue_meta(n, npad, split, comb=False), **pdl_options(ws.device),
     )  # fmt: skip
     return pre
 
@@ -297,8 +304,9 @@ def mhc_collapse_triton(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     _collapse_kernel[(t, triton.cdiv(d, BLOCK_D))](
-        x.contiguous(), weights.contiguous(), out, d, N=n, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS
-    )
+        x.contiguous(), weights.contiguous(), out, d, N=n, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS,
+        **pdl_options(x.device),
+    )  # fmt: skip
     return out
 
 
@@ -310,7 +318,7 @@ def mhc_expand_triton(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb
         return out
     _expand_kernel[(t, triton.cdiv(d, BLOCK_D))](
         x.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, d,
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS,
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS, **pdl_options(x.device),
     )  # fmt: skip
     return out
 

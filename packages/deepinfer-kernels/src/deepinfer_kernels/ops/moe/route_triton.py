@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._elementwise import SOFTPLUS_THRESHOLD
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from .reference import moe_route_topk_ref
@@ -36,8 +37,9 @@ def _log1p(y):
 def _route_kernel(
     logits_ptr, bias_ptr, w_ptr, e_ptr, E, L_ST, route_scale, norm_eps, threshold,
     TOP_K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     ok = cols < E
@@ -86,7 +88,7 @@ def moe_route_topk_triton(logits, bias, top_k, *, route_scale, scoring="sqrtsoft
             logits, bias if bias is not None else logits, weights, experts, e, logits.stride(0), float(route_scale),
             float(norm_eps), SOFTPLUS_THRESHOLD, TOP_K=top_k, KP=triton.next_power_of_2(top_k),
             SCORING=_SCORING[scoring], HAS_BIAS=bias is not None, NORM=norm_topk,
-            BLOCK_E=triton.next_power_of_2(e), num_warps=4,
+            BLOCK_E=triton.next_power_of_2(e), num_warps=4, **pdl_options(logits.device),
         )  # fmt: skip
     return weights, experts
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from .reference import swiglu_clamp_ref
@@ -31,8 +32,9 @@ BLOCK = 2048  # elements per program
 @triton.jit
 def _swiglu_kernel(
     gate_ptr, up_ptr, out_ptr, n, limit,
-    HAS_LIMIT: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     g = tl.load(gate_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -59,7 +61,7 @@ def swiglu_clamp_triton(
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](
             gate, up, out, n, float(limit) if limit is not None else 0.0,
             HAS_LIMIT=limit is not None, LIBDEVICE=not interpreting(), BLOCK=BLOCK,
-            num_warps=8, enable_fp_fusion=False,
+            num_warps=8, enable_fp_fusion=False, **pdl_options(gate.device),
         )  # fmt: skip
     return out
 

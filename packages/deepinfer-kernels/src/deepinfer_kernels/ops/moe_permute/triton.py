@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.registry import register_backend
 
 from .reference import inverse_order, moe_sort_ref
@@ -29,7 +31,10 @@ SORT_CHUNK = 128
 
 
 @triton.jit
-def _unpermute_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, D, K_SLOTS, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unpermute_kernel(
+    y_ptr, pos_ptr, w_ptr, out_ptr, D, K_SLOTS, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -53,13 +58,17 @@ def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None):
     w = weights.contiguous() if weights is not None else y
     block_d = min(1024, triton.next_power_of_2(d))
     _unpermute_kernel[(num_tokens, triton.cdiv(d, block_d))](
-        y.contiguous(), pos, w, out, d, k, HAS_W=weights is not None, BLOCK_D=block_d, num_warps=4
-    )
+        y.contiguous(), pos, w, out, d, k, HAS_W=weights is not None, BLOCK_D=block_d, num_warps=4,
+        **pdl_options(y.device),
+    )  # fmt: skip
     return out
 
 
 @triton.jit
-def _moe_sort_kernel(exp_ptr, order_ptr, off_ptr, run_ptr, P, E, NB: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_sort_kernel(
+    exp_ptr, order_ptr, off_ptr, run_ptr, P, E, NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_prologue(PDL)
     c = tl.program_id(0)  # this program places the pairs of chunk c
     bins = tl.arange(0, NB)
     lane = tl.arange(0, CHUNK)
@@ -95,8 +104,9 @@ def moe_sort_triton(experts: torch.Tensor, num_experts: int):
     chunks = triton.cdiv(p, SORT_CHUNK)
     running = torch.empty(chunks, nb, dtype=torch.int32, device=flat.device)
     _moe_sort_kernel[(chunks,)](
-        flat.contiguous(), order, offsets, running, p, num_experts, NB=nb, CHUNK=SORT_CHUNK, num_warps=4
-    )
+        flat.contiguous(), order, offsets, running, p, num_experts, NB=nb, CHUNK=SORT_CHUNK, num_warps=4,
+        **pdl_options(flat.device),
+    )  # fmt: skip
     return order, offsets
 
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
@@ -97,7 +99,9 @@ def _grouped_kernel(
     N_OUT, K, limit,
     FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     e = tl.load(tile_e_ptr + tile)
@@ -137,8 +141,9 @@ def _gather_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr,
     N_OUT, K, limit,
     FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr, HAS_INDEX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1).to(tl.int64)
     e = tl.load(expert_ptr + p).to(tl.int64)
@@ -213,7 +218,7 @@ def mxfp4_grouped_gemm_triton(
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=_interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 
@@ -247,7 +252,7 @@ def mxfp4_grouped_gemm_gather_triton(
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
         HAS_INDEX=row_index is not None, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 

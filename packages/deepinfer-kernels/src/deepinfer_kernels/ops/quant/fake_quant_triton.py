@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 from .reference import (
@@ -49,8 +50,9 @@ def _round_e2m1(v):
 @triton.jit
 def _fake_quant_kernel(
     x_ptr, out_ptr, D, G, floor,
-    FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+    FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row, _, k, ok, x, amax = _row_blocks(x_ptr, D, G, BLOCK, GROUPS)
     if not FP4:  # FP8 e4m3 values, UE8M0 scale
         e = _pow2_exponent(amax, floor, 1.0 / 448.0)
@@ -74,8 +76,9 @@ def _launch(x: torch.Tensor, block: int, floor: float, fp4: bool, e4m3_scale: bo
     if x2.numel():
         grid, groups = launch_grid(x2.shape[0], d // block, block)
         _fake_quant_kernel[grid](
-            x2, out, d, d // block, floor, FP4=fp4, E4M3_SCALE=e4m3_scale, BLOCK=block, GROUPS=groups, num_warps=4
-        )
+            x2, out, d, d // block, floor, FP4=fp4, E4M3_SCALE=e4m3_scale, BLOCK=block, GROUPS=groups, num_warps=4,
+            **pdl_options(x2.device),
+        )  # fmt: skip
     return out.view(x.shape)
 
 

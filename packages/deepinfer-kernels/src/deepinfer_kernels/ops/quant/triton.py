@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.registry import register_backend
 
 from .reference import act_quant_fp8_ref
@@ -82,8 +84,9 @@ def launch_grid(rows: int, blocks: int, block: int) -> tuple[tuple[int, int], in
 @triton.jit
 def _act_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, G,
-    BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row, g, k, ok, x, amax = _row_blocks(x_ptr, K, G, BLOCK, GROUPS)
     e = _pow2_exponent(amax, 1e-4, 1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
     y = x * _exp2_int(-e)[:, None]  # exact: same value as x / 2^e
@@ -104,7 +107,7 @@ def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     s = torch.empty(rows, g, dtype=torch.float32, device=x.device)
     if rows and k:
         grid, groups = launch_grid(rows, g, block)
-        _act_quant_fp8_kernel[grid](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4)
+        _act_quant_fp8_kernel[grid](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4, **pdl_options(x2.device))
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], g)
 
 

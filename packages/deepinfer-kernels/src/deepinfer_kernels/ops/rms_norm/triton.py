@@ -15,14 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 MAX_BLOCK = 8192  # widest chunk held in registers; V4/V4.1 rows (512..7168) fit in one chunk
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, x_stride, y_stride, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, D, x_stride, y_stride, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False
+):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * x_stride
@@ -60,7 +65,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     w = weight if weight is not None else x2  # dummy pointer when unweighted (never read)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, w.contiguous(), y, d, x2.stride(0), y.stride(0), float(eps),
-        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps,
+        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=warps, **pdl_options(x2.device),
     )  # fmt: skip
     return y.view(x.shape)
 

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 TILE_ELEMS = 4096  # elements of x per program (rows x padded D); sets BLOCK_T x BLOCK_H from (H, D)
@@ -44,7 +45,9 @@ def _rope_kernel(
     T, H, D, HALF, x_stride_t, x_stride_h, y_stride_t, y_stride_h,
     INVERSE: tl.constexpr, LIBDEVICE: tl.constexpr, COPY_NOPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     t_ok = t < T
@@ -139,7 +142,7 @@ def rope_interleaved_triton(
         x3, positions.contiguous(), freq, y3, t, h, d, half, x3.stride(0), x3.stride(1), y3.stride(0), y3.stride(1),
         INVERSE=bool(inverse), LIBDEVICE=not interpreting(), COPY_NOPE=not in_place,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_NOPE=block_nope, BLOCK_HALF=block_half,
-        num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
+        num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False, **pdl_options(x3.device),
     )  # fmt: skip
     return y
 

@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import interpreting, require_same_device, sm_count, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import (
+    interpreting,
+    pdl_options,
+    require_same_device,
+    sm_count,
+    triton_cuda_available,
+)
 from deepinfer_kernels.registry import register_backend
 
 INVARIANT_SPLIT = 256  # entries per split of the invariant backend (V4.1: 640 entries -> 3 splits)
@@ -39,8 +46,9 @@ def _attn_partial(
     H, D, K, N1, n_splits, scale,
     q_st, q_sh, kv_s, kv2_s, idx_st, o_st, o_sh,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TWO: tl.constexpr,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -97,8 +105,9 @@ def _attn_partial(
 
 @triton.jit
 def _attn_combine(
-    acc_ptr, ml_ptr, sink_ptr, o_ptr, H, D, n_splits, o_st, o_sh, BLOCK_D: tl.constexpr
+    acc_ptr, ml_ptr, sink_ptr, o_ptr, H, D, n_splits, o_st, o_sh, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -163,12 +172,13 @@ def launch(
             qc.stride(0), qc.stride(1), kv.stride(0), kv2.stride(0), ic.stride(0), oc.stride(0), oc.stride(1),
             SPLIT=span, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FINAL=final, DOT_PREC=prec,
             UPCAST=interpreting() and prec != "ieee", TWO=len(segments) == 2,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl_options(qc.device),
         )  # fmt: skip
         if not final:
             _attn_combine[(r1 - r0, h)](
-                acc, ml, sinks, oc, h, d, n_splits, oc.stride(0), oc.stride(1), BLOCK_D=block_d, num_warps=4
-            )
+                acc, ml, sinks, oc, h, d, n_splits, oc.stride(0), oc.stride(1), BLOCK_D=block_d, num_warps=4,
+                **pdl_options(acc.device),
+            )  # fmt: skip
     return out
 
 

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 BLOCK = 2048  # elements per chunk of the row stream
@@ -33,8 +34,10 @@ NUM_WARPS = 8
 
 @triton.jit
 def _topk_select_kernel(
-    s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr
+    s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * s_stride
     dst = out_ptr + row * out_stride
@@ -129,7 +132,7 @@ def topk_select_triton(
     lens = lengths.contiguous() if lengths is not None else scores  # dummy pointer when absent
     _topk_select_kernel[(s,)](
         scores, lens, out, n, width, scores.stride(0), out.stride(0),
-        HAS_LEN=lengths is not None, BLOCK=block, num_warps=num_warps,
+        HAS_LEN=lengths is not None, BLOCK=block, num_warps=num_warps, **pdl_options(scores.device),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (``_triton_launch.pdl_options``): off on the CPU, in the interpreter and with
+``DEEPINFER_PDL=0``; on an sm_90+ GPU a chain of dependent Triton kernels (each reads what the one before wrote:
+RMSNorm, the skinny GEMV with its last-program fixup, RoPE in place, top-k over the result) gives the same bits
+with it as without, eagerly and replayed from a CUDA graph, so every kernel's prologue waits for its predecessor."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer_kernels import linear, rms_norm, rope_interleaved, rope_inv_freq, topk_select  # noqa: E402
+from deepinfer_kernels.ops._triton_launch import PDL_ENV, pdl_options  # noqa: E402
+from deepinfer_kernels.testing.compare import assert_bitwise  # noqa: E402
+
+
+def test_off_on_cpu_and_by_environment(monkeypatch):
+    assert pdl_options(torch.device("cpu")) == {}
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_options(torch.device("cuda", 0)) == {}  # read per launch: no CUDA query when switched off
+
+
+def _chain(x, w_norm, weights, inv_freq, pos):
+    """40 dependent launches on [rows, 512] bf16 activations; returns the last activations and the top-k ids."""
+    for w in weights:
+        x = rms_norm(x, w_norm, 1e-6)
+        x = linear(x, w)  # skinny GEMV: K split over programs, the last one adds the partials
+        x = rope_interleaved(x.view(x.shape[0], 8, 64), pos, inv_freq, out=x.view(x.shape[0], 8, 64)).view_as(x)
+    return x, topk_select(x.float(), 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm_90+ GPU"
+)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_chain_bitwise_with_and_without(monkeypatch, rows):
+    assert pdl_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x0 = torch.randn(rows, 512, generator=g, device="cuda").to(torch.bfloat16)
+    w_norm = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(torch.bfloat16)
+    weights = [(torch.randn(512, 512, generator=g, device="cuda") / 16).to(torch.bfloat16) for _ in range(13)]
+    inv_freq = rope_inv_freq(64, 10000.0).cuda()
+    pos = torch.arange(rows, device="cuda") + 17
+
+    monkeypatch.setenv(PDL_ENV, "0")
+    want = _chain(x0, w_norm, weights, inv_freq, pos)
+    monkeypatch.delenv(PDL_ENV)
+    got = _chain(x0, w_norm, weights, inv_freq, pos)
+    for a, b, what in zip(got, want, ("activations", "top-k"), strict=True):
+        assert_bitwise(a, b, f"eager {what}, PDL on vs off")
+
+    x_in = x0.clone()
+    _chain(x_in, w_norm, weights, inv_freq, pos)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x_in, w_norm, weights, inv_freq, pos)
+    for _ in range(3):
+        x_in.copy_(torch.randn(rows, 512, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        monkeypatch.setenv(PDL_ENV, "0")
+        eager = _chain(x_in, w_norm, weights, inv_freq, pos)
+        monkeypatch.delenv(PDL_ENV)
+        for a, b, what in zip(out, eager, ("activations", "top-k"), strict=True):
+            assert_bitwise(a, b, f"graph replay {what} (PDL) vs eager without")
