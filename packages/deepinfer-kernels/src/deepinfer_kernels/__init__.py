@@ -57,6 +57,7 @@ from deepinfer_kernels.ops.quant import (
     mxfp4_quantize,
 )
 from deepinfer_kernels.ops.rms_norm import rms_norm
+from deepinfer_kernels.ops.rms_norm_rope import rms_norm_rope
 from deepinfer_kernels.ops.rope import YarnScaling, rope_interleaved, rope_inv_freq
 from deepinfer_kernels.ops.sparse_mqa_attention import sparse_mqa_attention
 from deepinfer_kernels.ops.token_bitmask import apply_token_bitmask
@@ -66,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "rms_norm",
+    "rms_norm_rope",
     "rope_interleaved",
     "rope_inv_freq",
     "YarnScaling",

@@ -34,7 +34,7 @@ from deepinfer_kernels import (
     moe_route_hash,
     moe_route_topk,
     overlap_windows,
-    rms_norm,
+    rms_norm_rope,
     rope_interleaved,
     rope_inv_freq,
     sparse_mqa_attention,
@@ -106,9 +106,9 @@ class Compressor(nn.Module):
                 grouped_kv, grouped_score = overlap_windows(kv, score, prev_kv, prev_score)
             else:
                 grouped_kv, grouped_score = kv, score
-            pooled = self.norm(kv_compress_pool(grouped_kv, grouped_score).to(x.dtype))
+            pooled = kv_compress_pool(grouped_kv, grouped_score).to(x.dtype)
             entry_pos = (torch.arange(n_new, device=x.device) + first) * self.ratio
-            state.store().append(rope_interleaved(pooled, entry_pos, inv_freq))
+            state.store().append(self.norm.rope(pooled, entry_pos, inv_freq))
         entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
@@ -124,7 +124,7 @@ class Compressor(nn.Module):
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
         rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
-        batch.append(key, rope_interleaved(self.norm(pooled.to(dtype)), batch[("group_start", r)], inv_freq))
+        batch.append(key, self.norm.rope(pooled.to(dtype), batch[("group_start", r)], inv_freq))
 
 
 class Indexer(nn.Module):
@@ -210,14 +210,12 @@ class Attention(nn.Module):
         """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D]).
         ``xa``: x wq_a^T when the caller made it already."""
         qr = self.q_norm(self.wq_a(x) if xa is None else xa)
-        q = rms_norm(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), None, self.cfg.rms_norm_eps)
-        # in place on the fresh normed queries: RoPE moves 64 of each head's 512 channels, not all of them
-        return qr, rope_interleaved(q, pos, self.inv_freq, out=q)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        return qr, rms_norm_rope(q, None, self.cfg.rms_norm_eps, pos, self.inv_freq)  # per-head norm, then RoPE
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
         """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D] (``xkv``: x wkv^T, made already)."""
-        kv = self.kv_norm(self.wkv(x) if xkv is None else xkv)
-        return rope_interleaved(kv, pos, self.inv_freq, out=kv)
+        return self.kv_norm.rope(self.wkv(x) if xkv is None else xkv, pos, self.inv_freq)
 
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Attention outputs o [T, H, D] at ``pos`` -> [T, d]: inverse RoPE, grouped wo_a, wo_b."""

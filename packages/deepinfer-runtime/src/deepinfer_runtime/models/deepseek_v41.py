@@ -400,15 +400,14 @@ class Attention(nn.Module):
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
         """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored (``xkv``: x wkv^T, made
         already)."""
-        kv = self.kv_norm(self.wkv(x) if xkv is None else xkv)
-        kv = rope_interleaved(kv, pos, self.inv_freq, out=kv)
+        kv = self.kv_norm.rope(self.wkv(x) if xkv is None else xkv, pos, self.inv_freq)
         return fake_quant_fp8_ue8m0(kv, 32) if self.fake_quant else kv
 
     def publish(self, latent: torch.Tensor, group_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE compressed latents [G, D] at their first-token positions -> (entries, index keys)."""
         entry = rope_interleaved(latent, group_pos, self.inv_freq)
         ix = self.indexer
-        key = rope_interleaved(ix.k_norm(ix.wk(latent)), group_pos, self.inv_freq)
+        key = ix.k_norm.rope(ix.wk(latent), group_pos, self.inv_freq)
         if self.fake_quant:
             entry, key = fake_quant_e2m1(entry, 16, "e4m3"), fake_quant_e2m1(key, 32, "ue8m0")
         return entry, key

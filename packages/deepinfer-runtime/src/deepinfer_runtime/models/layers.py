@@ -25,6 +25,7 @@ from deepinfer_kernels import (
     linear_many,
     moe_experts,
     rms_norm,
+    rms_norm_rope,
 )
 from torch import nn
 
@@ -108,6 +109,11 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """RoPE on the trailing channels of this norm's output, in one op: bitwise ``rope_interleaved(self(x),
+        positions, inv_freq)``; a new tensor."""
+        return rms_norm_rope(x, self.weight, self.eps, positions, inv_freq)
 
 
 def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def _rms_norm_kernel(
         tl.store(y_row + start + cols, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _config(d: int) -> tuple[int, int]:
+def norm_config(d: int) -> tuple[int, int]:
     """(BLOCK, num_warps) from D alone (the invariance argument above depends on this)."""
     block = min(triton.next_power_of_2(max(d, 1)), MAX_BLOCK)
     return block, max(1, min(16, block // 256))
@@ -61,7 +61,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(x.shape)
-    block, warps = _config(d)
+    block, warps = norm_config(d)
     w = weight if weight is not None else x2  # dummy pointer when unweighted (never read)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, w.contiguous(), y, d, x2.stride(0), y.stride(0), float(eps),
