@@ -83,7 +83,7 @@ def rms_norm_rope_triton(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> torch.Tensor:
     t, d, half = x.shape[0], x.shape[-1], inv_freq.shape[0]
-    if d > MAX_BLOCK or half == 0:  # rms_norm loops over chunks there (another sum order): the two ops
+    if d > MAX_BLOCK or half == 0:  # wider rows: rms_norm sums them in chunks (another order); no rotation at all
         return rope_interleaved(rms_norm(x, weight, eps), positions, inv_freq)
     freq = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     require_same_device(x, positions, freq, *([weight] if weight is not None else []))
