@@ -54,19 +54,15 @@ def _check(x, w, pos, inv, eps, what):
 
 
 def _interp_cases() -> None:
+    from deepinfer_kernels.ops.rms_norm_rope.triton import rms_norm_rope_triton
+
     for dtype in (torch.float32, torch.bfloat16):
         for shape, rope_dim, weighted in (((3, 2, 32), 16, False), ((5, 48), 16, True), ((2, 3, 64), 64, True)):
             x, w, pos, inv = _inputs(shape, rope_dim, weighted, dtype, "cpu", sum(shape))
             _check(x, w, pos, inv, 1e-6, f"{dtype} {shape} R={rope_dim} weighted={weighted}")
     x, w, pos, inv = _inputs((4, 32), 16, True, torch.float32, "cpu", 9)
     x[1] = 0  # V4.1's eps: an all-zero row stays zero
-    assert not rms_norm_rope_triton_interp(x, w, 1e-20, pos, inv)[1].any()
-
-
-def rms_norm_rope_triton_interp(*args):
-    from deepinfer_kernels.ops.rms_norm_rope.triton import rms_norm_rope_triton
-
-    return rms_norm_rope_triton(*args)
+    assert not rms_norm_rope_triton(x, w, 1e-20, pos, inv)[1].any()
 
 
 if triton_importable():  # one TRITON_INTERPRET=1 child process
