@@ -23,6 +23,12 @@ MAX_BLOCK = 8192  # widest chunk held in registers; V4/V4.1 rows (512..7168) fit
 
 
 @triton.jit
+def inv_rms(sum_sq, D, eps):
+    """1 / sqrt(mean square + eps) from a row's fp32 sum of squares (every RMSNorm kernel's statistic)."""
+    return 1.0 / tl.sqrt(sum_sq / D + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, D, x_stride, y_stride, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False
@@ -37,7 +43,7 @@ def _rms_norm_kernel(
         m = start + cols < D
         xv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
         acc += xv * xv
-    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    inv = inv_rms(tl.sum(acc, axis=0), D, eps)
     for start in range(0, D, BLOCK):
         m = start + cols < D
         yv = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32) * inv

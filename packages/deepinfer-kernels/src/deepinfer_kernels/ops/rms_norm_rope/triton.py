@@ -5,11 +5,11 @@ Bit-identical to the Triton ``rms_norm`` followed by the Triton ``rope_interleav
 V4 / V4.1 call sites), so a model may fuse or not without changing its logits:
 
 * the statistics load the row as ``rms_norm``'s kernel does (the same [BLOCK] vector with the same warps, hence
-  the same order of the sum of squares), and scale and weight it in the same order;
+  the same order of the sum of squares; the same ``inv_rms``), and scale and weight it in the same order;
 * the normed row is rounded to x.dtype, as ``rms_norm`` stores it, before the rotation reads it;
-* the rotation is ``rope_interleaved``'s formula (libdevice cos / sin of one fp32 product, no FMA contraction, no
-  flush to zero), on the trailing R channels loaded again as adjacent pairs (cos / sin for those R / 2 pairs
-  only); the leading D - R channels are stored from the statistics' vector.
+* the rotation is ``rope_interleaved``'s (its ``rope_cos_sin`` of one fp32 product and ``rotate_pairs``, no FMA
+  contraction, no flush to zero), on the trailing R channels loaded again as adjacent pairs (cos / sin for those
+  R / 2 pairs only); the leading D - R channels are stored from the statistics' vector.
 
 Rows wider than rms_norm's widest single chunk (MAX_BLOCK) run the two ops. A row's arithmetic depends on its own
 values, position and D only: batch-invariant. CPU tensors run in Triton's interpreter when TRITON_INTERPRET=1
@@ -21,13 +21,13 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.ops.rms_norm import rms_norm
-from deepinfer_kernels.ops.rms_norm.triton import MAX_BLOCK, norm_config
+from deepinfer_kernels.ops.rms_norm.triton import MAX_BLOCK, inv_rms, norm_config
 from deepinfer_kernels.ops.rope import rope_interleaved
+from deepinfer_kernels.ops.rope.triton import rope_cos_sin, rotate_pairs
 from deepinfer_kernels.registry import register_backend
 
 
@@ -50,7 +50,7 @@ def _rms_norm_rope_kernel(
     xv = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     acc += xv * xv
-    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+    inv = inv_rms(tl.sum(acc, axis=0), D, eps)
 
     # the leading D - R channels: the norm's output as it stands
     yv = xv * inv
@@ -68,15 +68,9 @@ def _rms_norm_rope_kernel(
         v = v * tl.load(w_ptr + c2, mask=m2, other=0.0).to(tl.float32)
     v = v.to(y_ptr.dtype.element_ty).to(tl.float32)
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + p, mask=p < HALF, other=0.0)
-    if LIBDEVICE:
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    else:  # the CPU interpreter has no libdevice
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+    cos, sin = rope_cos_sin(angle, LIBDEVICE)
     a, b = tl.split(v)
-    out = tl.join(a * cos - b * sin, b * cos + a * sin)
-    tl.store(y_row + c2, out.to(y_ptr.dtype.element_ty), mask=m2)
+    tl.store(y_row + c2, rotate_pairs(a, b, cos, sin).to(y_ptr.dtype.element_ty), mask=m2)
 
 
 def rms_norm_rope_triton(

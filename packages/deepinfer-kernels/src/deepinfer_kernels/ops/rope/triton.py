@@ -40,6 +40,26 @@ MAX_NOPE_BLOCK = 1024  # widest chunk of pass-through channels copied at once
 
 
 @triton.jit
+def rope_cos_sin(angle, LIBDEVICE: tl.constexpr):
+    """cos / sin of fp32 angles as every RoPE kernel takes them: libdevice's (torch's) on the GPU, Triton's own in
+    the CPU interpreter (which has no libdevice)."""
+    if LIBDEVICE:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return cos, sin
+
+
+@triton.jit
+def rotate_pairs(a, b, cos, sin):
+    """Adjacent pairs (a, b) -> (a cos - b sin, b cos + a sin), joined back into pairs (the caller compiles without
+    FMA contraction, so each product and difference rounds on its own, as in the reference)."""
+    return tl.join(a * cos - b * sin, b * cos + a * sin)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, y_ptr,
     T, H, D, HALF, x_stride_t, x_stride_h, y_stride_t, y_stride_h,
@@ -67,13 +87,7 @@ def _rope_kernel(
     j = tl.arange(0, BLOCK_HALF)
     pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
     inv = tl.load(freq_ptr + j, mask=j < HALF, other=0.0)
-    angle = pos[:, None] * inv[None, :]  # [BLOCK_T, BLOCK_HALF]
-    if LIBDEVICE:
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    else:  # the CPU interpreter has no libdevice
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+    cos, sin = rope_cos_sin(pos[:, None] * inv[None, :], LIBDEVICE)  # [BLOCK_T, BLOCK_HALF]
     if INVERSE:
         sin = -sin
     cos = cos[:, None, :]
@@ -84,8 +98,7 @@ def _rope_kernel(
     m = row_ok & (r < 2 * HALF)
     v = tl.load(x_row + nope + r, mask=m, other=0.0).to(tl.float32)
     a, b = tl.split(tl.reshape(v, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
-    out = tl.join(a * cos - b * sin, b * cos + a * sin)
-    out = tl.reshape(out, [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+    out = tl.reshape(rotate_pairs(a, b, cos, sin), [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
     tl.store(y_row + nope + r, out.to(y_ptr.dtype.element_ty), mask=m)
 
 
