@@ -67,6 +67,7 @@ from deepinfer_runtime.models.layers import (
     param,
     project,
 )
+from deepinfer_runtime.models.side_stream import SideStream
 from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
 
 
@@ -163,14 +164,17 @@ class Indexer(nn.Module):
         scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
         return indexer_topk(scores, visible, self.topk)[0]
 
-    def decode(self, proj: list[torch.Tensor], qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq):
+    def decode(
+        self, proj: list[torch.Tensor], qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq, side: SideStream
+    ):
         """``forward`` for a planned decode step from the step's projections of x [rows, d] (``proj`` = [x
         weights_proj^T, x compressor.wkv^T, x compressor.wgate^T], see ``projections``) and qr [rows, q_lora_rank]
-        -> entry ids [rows, k]."""
+        -> entry ids [rows, k]. The index keys' compressor has been branched on ``side`` (``compress``): the query
+        runs beside it, the scores after the join."""
         pos = batch["pos"]
-        self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, qr.dtype)
-        pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         q, weights = self.query(None, qr, pos, inv_freq, xw=proj[0])
+        side.join()
+        pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = batch[("visible", self.ratio)][:, None]  # a request's rows past its own entries are never visible
         return indexer_topk(scores, visible, self.topk)[:, 0]
@@ -278,18 +282,26 @@ class Attention(nn.Module):
         pool of compressed entries, read in place through each request's block table."""
         pos = batch["pos"]
         proj = project(x, *self.projections())
+        side = SideStream.of(x.device)
+        if self.kind != SLIDING:  # the compressors write rings and entry stores nothing reads before their join
+            key = ("comp", self.layer)
+            with side.branch():
+                self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
+                if self.kind == CSA:
+                    c = self.indexer.compressor
+                    c.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
         qr, q = self.query(x, pos, xa=proj[0])
         kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         if self.kind != SLIDING:
-            key = ("comp", self.layer)
-            self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
             if self.kind == CSA:
-                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq)
+                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, side)
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)
             idx = torch.cat([idx, batch.pool_rows(key, picked, offset=kv_all.shape[0])], dim=1)
             kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
+            if self.kind == HCA:  # (CSA joined before its index scores)
+                side.join()
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)
 

@@ -75,6 +75,7 @@ from deepinfer_runtime.models.layers import (
     param,
     project,
 )
+from deepinfer_runtime.models.side_stream import SideStream
 from deepinfer_runtime.slot_pool import (
     CacheSnapshot,
     Ring,
@@ -533,15 +534,20 @@ class Attention(nn.Module):
         x [rows, d] -> [rows, d]. ``shared`` carries top-k / candidates [rows, .] between layers of the step."""
         pos = batch["pos"]
         proj = project(x, *self.projections())
-        if self.kv_source == self.layer:
-            self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
+        side = SideStream.of(x.device)
+        if self.kv_source == self.layer:  # the compressor writes rings and entry pools read only after the join
+            with side.branch():
+                self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
         qr, q = self.query(x, pos, xa=proj[0])
         kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
+        if self.index_source == self.layer:
+            qi, weights = self.index_query(None, qr, pos, xw=proj[-1])
+        side.join()
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
         if self.index_source == self.layer:
-            pages = batch.pages(("idx", self.kv_source))
-            scores = self.index_scores_batched(proj[-1], qr, pos, *pages)  # [rows, 1, N]
+            pool, tables = batch.pages(("idx", self.kv_source))
+            scores = indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
             visible = batch[("visible", self.ratio)][:, None]
             cand = shared.get("candidates") if self.uses_candidates else None
             if self.is_candidate_source:
@@ -555,13 +561,6 @@ class Attention(nn.Module):
         rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0])
         kv = (kv_rows, batch.kv[key].flat.to(kv_rows.dtype))
         return self.attend_rows(q, kv, torch.cat([win_ids, rows], dim=1), pos)
-
-    def index_scores_batched(self, xw, qr, pos, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """``index_scores`` of one query row per request: xw = x weights_proj^T [rows, H], qr [rows, q_lora_rank]
-        at ``pos`` [rows] against each request's keys, read in place from ``pool`` [blocks, R, Dh] through
-        ``tables`` [rows, nblk] -> [rows, 1, nblk x R] fp32."""
-        qi, weights = self.index_query(None, qr, pos, xw=xw)
-        return indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
 
     def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
         """Every projection of the normed input x a decode step makes, with its out dtype: wq_a, wkv, then on a KV

@@ -1,0 +1,68 @@
+"""A decode step's independent branches on a second CUDA stream.
+
+At small decode batches a layer's kernels are latency-bound: each waits on a few dependent memory round trips and
+leaves most SMs idle. Work that no kernel of the main path reads until later (a compressor's ring write, pooling,
+norm and entry store) can then run beside the main path's weight streams instead of after them:
+
+    side = SideStream.of(x.device)
+    with side.branch():   # the side stream waits for everything enqueued so far, then takes this block's work
+        compressor.decode(...)
+    ...                   # main-path work, enqueued on the current stream, runs concurrently
+    side.join()           # the current stream waits for the branch before reading what it wrote
+
+Inside a CUDA graph capture the fork and the join are captured as graph edges (the side stream joins the capture
+through the fork's event), so a replay runs the branch concurrently too. Tensors the branch reads must outlive the
+join (keep a reference until ``join``): the caching allocator would otherwise hand their memory to main-stream work
+that the branch's kernels do not wait for. On a CPU device, or with ``DEEPINFER_SIDE_STREAMS=0``, ``branch`` and
+``join`` do nothing (the work runs in order on the current stream; results are the same either way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+SIDE_STREAMS_ENV = "DEEPINFER_SIDE_STREAMS"  # "0": run the branches in order on the current stream
+
+
+class SideStream:
+    """One side stream per CUDA device (``of``); a no-op stand-in elsewhere."""
+
+    _streams: dict[torch.device, SideStream] = {}
+
+    def __init__(self, stream: torch.cuda.Stream | None):
+        self.stream = stream
+        self.pending = False  # work branched since the last join
+
+    @classmethod
+    def of(cls, device: torch.device) -> SideStream:
+        if device.type != "cuda" or os.environ.get(SIDE_STREAMS_ENV, "1") == "0":
+            return _INLINE
+        side = cls._streams.get(device)
+        if side is None:
+            side = cls._streams[device] = cls(torch.cuda.Stream(device))
+        return side
+
+    @contextlib.contextmanager
+    def branch(self) -> Iterator[None]:
+        """Work enqueued inside runs on the side stream, after everything enqueued on the current stream so far."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self.pending = True
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """The current stream waits for the work branched since the last join; nothing when there is none (a
+        stream outside a graph capture must not be joined into it)."""
+        if self.pending:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.pending = False
+
+
+_INLINE = SideStream(None)

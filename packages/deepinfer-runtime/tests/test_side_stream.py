@@ -1,0 +1,53 @@
+"""SideStream: the decode step's branch / join. On the CPU (or with DEEPINFER_SIDE_STREAMS=0) both do nothing; on CUDA a
+branch's writes are seen after the join, eagerly and from a captured graph, and a join without a branch (a layer that
+branched nothing) is a no-op, also inside a capture."""
+
+import pytest
+import torch
+from deepinfer_runtime.models.side_stream import SIDE_STREAMS_ENV, SideStream
+
+
+def test_cpu_and_switched_off_are_inline(monkeypatch):
+    side = SideStream.of(torch.device("cpu"))
+    assert side.stream is None
+    x = torch.zeros(3)
+    with side.branch():
+        x += 1
+    side.join()
+    assert x.tolist() == [1, 1, 1]
+    monkeypatch.setenv(SIDE_STREAMS_ENV, "0")
+    assert SideStream.of(torch.device("cuda", 0)).stream is None
+
+
+def _step(side: SideStream, a: torch.Tensor, out: torch.Tensor, branch: bool) -> torch.Tensor:
+    """main: b = a * 3 (several kernels); branch: out = a + 1 (written in place, read after the join)."""
+    if branch:
+        with side.branch():
+            for _ in range(50):  # long enough to still run when the main path reaches the join
+                out.copy_(a + 1)
+    b = a * 3
+    for _ in range(20):
+        b = b * 1
+    side.join()
+    side.join()  # a second join has nothing to wait for
+    return b + out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("branch", [True, False])
+def test_gpu_branch_join_eager_and_captured(branch):
+    side = SideStream.of(torch.device("cuda"))
+    assert side.stream is not None
+    a = torch.randn(1 << 20, device="cuda")
+    out = torch.zeros_like(a)
+    want = a * 3 + ((a + 1) if branch else 0)
+    torch.testing.assert_close(_step(side, a, out, branch), want, rtol=0, atol=0)
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = _step(side, a, out, branch)
+    a.copy_(torch.randn_like(a))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(res, a * 3 + ((a + 1) if branch else 0), rtol=0, atol=0)
