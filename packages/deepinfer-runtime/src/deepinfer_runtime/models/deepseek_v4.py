@@ -169,8 +169,8 @@ class Indexer(nn.Module):
     ):
         """``forward`` for a planned decode step from the step's projections of x [rows, d] (``proj`` = [x
         weights_proj^T, x compressor.wkv^T, x compressor.wgate^T], see ``projections``) and qr [rows, q_lora_rank]
-        -> entry ids [rows, k]. The index keys' compressor has been branched on ``side`` (``compress``): the query
-        runs beside it, the scores after the join."""
+        -> entry ids [rows, k]. The caller has branched the index keys' compressor (``compressor.decode`` of
+        proj[1:3]) on ``side``: the query runs beside it, the scores after the join."""
         pos = batch["pos"]
         q, weights = self.query(None, qr, pos, inv_freq, xw=proj[0])
         side.join()
@@ -342,10 +342,13 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        side, s = SideStream.of(x.device), self.shared_experts
+        with side.branch():  # the shared expert's weight stream runs beside the routing's latency-bound kernels
+            shared = swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
         weights, experts = self.gate(x, input_ids)
         routed = self.experts(x, experts, weights, swiglu_limit=self.limit)
-        s = self.shared_experts
-        return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
+        side.join()
+        return routed + shared
 
 
 class Block(MhcBlock):

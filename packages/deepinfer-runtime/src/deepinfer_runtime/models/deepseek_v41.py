@@ -46,9 +46,10 @@ from deepinfer_kernels import (
     kv_compress_pool,
     kv_compress_pool_rows,
     linear,
+    mhc_coefficients,
     mhc_collapse,
+    mhc_expand,
     mhc_initial_pre_mix,
-    mhc_lagged_site,
     moe_route_topk,
     rope_interleaved,
     rope_inv_freq,
@@ -622,10 +623,13 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side, s = SideStream.of(x.device), self.shared_experts
+        with side.branch():  # the shared expert's weight stream runs beside the routing's latency-bound kernels
+            shared = swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
         weights, experts = self.gate(x)
         routed = self.experts(x, experts, weights, swiglu_limit=self.limit)
-        s = self.shared_experts
-        return routed + swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
+        side.join()
+        return routed + shared
 
 
 class Block(MhcBlock):
@@ -651,7 +655,7 @@ class Block(MhcBlock):
     def run(self, x, pre_mix, attn_fn):
         """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]. The two sites of
         ``mhc_lagged_layer``, the FFN one through ``ffn_site``."""
-        x, pre = mhc_lagged_site(x, pre_mix, lambda u: attn_fn(self.attn_norm(u)), self.mhc("attn"), self.hc)
+        x, pre = self.lagged_site(x, pre_mix, lambda u: attn_fn(self.attn_norm(u)), "attn")
         if self.graphs is not None and self.graphs.applies(x):
             return self.graphs.run(self, self.ffn_site, x, pre)
         return self.ffn_site(x, pre)
@@ -659,7 +663,18 @@ class Block(MhcBlock):
     def ffn_site(self, x: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams x [T, n, d] and the attention site's pre [T, n] -> (streams, the next layer's pre_mix). Static
         shapes and no host reads: CUDA-graph safe."""
-        return mhc_lagged_site(x, pre, lambda u: self.ffn(self.ffn_norm(u)), self.mhc("ffn"), self.hc)
+        return self.lagged_site(x, pre, lambda u: self.ffn(self.ffn_norm(u)), "ffn")
+
+    def lagged_site(self, x, pre_mix, f, site: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mhc_lagged_site(x, pre_mix, f, self.mhc(site), self.hc)`` (the same ops, the same bits) with the site's
+        coefficients on the side stream: they depend on x alone, and only the expand and the next site read them,
+        so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before it."""
+        side = SideStream.of(x.device)
+        with side.branch():
+            p, q, c = mhc_coefficients(x, self.mhc(site), self.hc)
+        y = f(mhc_collapse(x, pre_mix))
+        side.join()
+        return mhc_expand(x, y, q, c), p
 
 
 # ----------------------------------------------------------------------------------------------------------

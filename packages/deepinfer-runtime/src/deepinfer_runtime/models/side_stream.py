@@ -1,8 +1,10 @@
 """A decode step's independent branches on a second CUDA stream.
 
 At small decode batches a layer's kernels are latency-bound: each waits on a few dependent memory round trips and
-leaves most SMs idle. Work that no kernel of the main path reads until later (a compressor's ring write, pooling,
-norm and entry store) can then run beside the main path's weight streams instead of after them:
+leaves most SMs idle. Work that no kernel of the main path reads until later can then run beside the main path
+instead of before or after it: the compressors (ring write, pooling, norm, entry store; V4 and V4.1), the shared
+expert beside the router and the routed experts (both), V4.1's mHC coefficients beside the sublayer they wrap (its
+lagged wiring collapses with the previous site's weights, so only the expand waits for them):
 
     side = SideStream.of(x.device)
     with side.branch():   # the side stream waits for everything enqueued so far, then takes this block's work
