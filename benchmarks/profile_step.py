@@ -17,9 +17,10 @@ and cumulative time. Writes JSON.
 device's (CUDA events around it), synchronised, and the time per step launched back to back: the pipelined loop is
 host-bound when the first exceeds the device's time.
 
-``--timeline`` (decode, CUDA): the kernels of one step in launch order with the gap before each, the step's GPU span
-(first kernel start to last kernel end), busy time and idle time, and the kernels grouped by name (the floor ratio's
-GPU-side view, without the host's planning).
+``--timeline`` (decode, CUDA): the kernels of one step in start order with the gap before each, the step's GPU span
+(first kernel start to last kernel end), busy time (the union of the kernels' intervals) and idle time, and the
+kernels grouped by name (the floor ratio's GPU-side view, without the host's planning). Kernels overlap (programmatic
+dependent launch, side streams), so each also gets its own time: what it adds to the span (``timeline_record``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,35 @@ def _profile(step, dev: str, steps: int, top: int, shapes: bool = False) -> dict
     return rec
 
 
+def timeline_record(kernels: list[tuple[str, float, float]]) -> dict:
+    """One step's kernels [(name, start us, end us)] in start order -> the timeline record.
+
+    Kernels overlap: with programmatic dependent launch a kernel starts while the one before it ends (its first
+    instruction waits), and kernels on a second stream run beside the main path. So each kernel carries its raw
+    duration (``us``) and its own time (``own_us``): the part of it after every earlier-started kernel has ended,
+    i.e. what it adds to the step's GPU span. The own times add up to ``busy_us``, the union of the intervals;
+    ``idle_us`` = span - busy is time no kernel ran. Families are ranked by own time."""
+    if not kernels:
+        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "order": [], "families": []}
+    frontier = kernels[0][1]  # the latest end among the kernels started so far
+    order, families, busy = [], {}, 0.0
+    for name, start, end in kernels:
+        own = max(0.0, end - max(start, frontier))
+        order.append({"kernel": name[:110], "gap_us": max(0.0, start - frontier), "us": end - start, "own_us": own})
+        fam = families.setdefault(name[:60], [0, 0.0, 0.0])
+        fam[0] += 1
+        fam[1] += end - start
+        fam[2] += own
+        busy += own
+        frontier = max(frontier, end)
+    span = frontier - kernels[0][1]
+    top = sorted(families.items(), key=lambda kv: -kv[1][2])
+    return {
+        "kernels": len(kernels), "span_us": span, "busy_us": busy, "idle_us": span - busy, "order": order,
+        "families": [{"kernel": k, "calls": c, "us": t, "own_us": o} for k, (c, t, o) in top],
+    }  # fmt: skip
+
+
 def _timeline(step, steps: int = 3) -> dict:
     """One decode step's kernels in order (after 2 warm-up steps): the steps are told apart by host gaps of more
     than 100 us between kernels, and the largest group is taken (a step replayed from a CUDA graph is one)."""
@@ -124,31 +154,16 @@ def _timeline(step, steps: int = 3) -> dict:
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
-    if not kernels:
-        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "order": [], "families": []}
-    groups, cur = [], kernels[:1]
-    for a, b in zip(kernels, kernels[1:]):
-        if b.time_range.start - a.time_range.end > 100:
+    groups, cur, frontier = [], kernels[:1], kernels[0].time_range.end if kernels else 0.0
+    for e in kernels[1:]:
+        if e.time_range.start - frontier > 100:
             groups.append(cur)
             cur = []
-        cur.append(b)
+        cur.append(e)
+        frontier = max(frontier, e.time_range.end)
     groups.append(cur)
     one = max(groups, key=len)
-    span = one[-1].time_range.end - one[0].time_range.start
-    busy = sum(e.time_range.end - e.time_range.start for e in one)
-    order, families = [], {}
-    for prev, e in zip([None, *one], one):
-        dur = e.time_range.end - e.time_range.start
-        gap = 0.0 if prev is None else e.time_range.start - prev.time_range.end
-        order.append({"kernel": e.name[:110], "gap_us": gap, "us": dur})
-        fam = families.setdefault(e.name[:60], [0, 0.0])
-        fam[0] += 1
-        fam[1] += dur
-    top = sorted(families.items(), key=lambda kv: -kv[1][1])
-    return {
-        "kernels": len(one), "span_us": span, "busy_us": busy, "idle_us": span - busy, "order": order,
-        "families": [{"kernel": k, "calls": c, "us": t} for k, (c, t) in top],
-    }  # fmt: skip
+    return timeline_record([(e.name, e.time_range.start, e.time_range.end) for e in one])
 
 
 def _enqueue(step, steps: int = 10) -> dict:
@@ -177,10 +192,10 @@ def _enqueue(step, steps: int = 10) -> dict:
 def _print_timeline(title: str, rec: dict, show: int = 30) -> None:
     print(
         f"\n== {title}: {rec['kernels']} kernels, GPU span {rec['span_us']:.0f} us, busy {rec['busy_us']:.0f} us, "
-        f"idle {rec['idle_us']:.0f} us"
+        f"idle {rec['idle_us']:.0f} us (own = a kernel's time after every earlier-started one ended)"
     )
     for f in rec["families"][:show]:
-        print(f"   {f['us']:9.1f} us {f['calls']:4d}  {f['kernel']}")
+        print(f"   {f['own_us']:9.1f} us own {f['us']:9.1f} us raw {f['calls']:4d}  {f['kernel']}")
 
 
 def _print(title: str, rec: dict, steps: int, top: int) -> None:
