@@ -755,6 +755,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if torch.device(dev).type == "cuda" else "cpu",
         "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
+        # the switches that change what runs (DEEPINFER_PDL, DEEPINFER_SIDE_STREAMS, backend pins...): A/B records
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPINFER_")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
