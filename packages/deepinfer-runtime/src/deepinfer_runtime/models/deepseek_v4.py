@@ -38,7 +38,6 @@ from deepinfer_kernels import (
     rope_interleaved,
     rope_inv_freq,
     sparse_mqa_attention,
-    swiglu_mlp,
 )
 from torch import nn
 
@@ -66,6 +65,7 @@ from deepinfer_runtime.models.layers import (
     draft_block_key_ids,
     param,
     project,
+    routed_plus_shared,
 )
 from deepinfer_runtime.models.side_stream import SideStream
 from deepinfer_runtime.slot_pool import CacheSnapshot, SlotPool, SlotSpec, SlotState
@@ -342,13 +342,7 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        side, s = SideStream.of(x.device), self.shared_experts
-        with side.branch():  # the shared expert's weight stream runs beside the routing's latency-bound kernels
-            shared = swiglu_mlp(x, s.w1.weight, s.w3.weight, s.w2.weight, swiglu_limit=self.limit)
-        weights, experts = self.gate(x, input_ids)
-        routed = self.experts(x, experts, weights, swiglu_limit=self.limit)
-        side.join()
-        return routed + shared
+        return routed_plus_shared(x, lambda: self.gate(x, input_ids), self.experts, self.shared_experts, self.limit)
 
 
 class Block(MhcBlock):

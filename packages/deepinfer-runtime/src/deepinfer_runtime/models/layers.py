@@ -9,7 +9,7 @@ dequantised matrix, made on each access)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,8 +26,11 @@ from deepinfer_kernels import (
     moe_experts,
     rms_norm,
     rms_norm_rope,
+    swiglu_mlp,
 )
 from torch import nn
+
+from deepinfer_runtime.models.side_stream import SideStream
 
 
 def param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
@@ -227,6 +230,25 @@ class SharedExpert(nn.Module):
             Linear(hidden, inter, dtype),
             Linear(inter, hidden, dtype),
         )
+
+
+def routed_plus_shared(
+    x: torch.Tensor,
+    route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    experts: Experts,
+    shared: SharedExpert,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """A MoE sublayer: ``experts(x, *route())`` (route() -> (weights [T, k], expert ids [T, k])) plus the shared
+    expert, [T, d] in x.dtype. The shared expert runs on the side stream: its weight stream overlaps the router's
+    and the routed experts' latency-bound kernels (numerics unchanged)."""
+    side = SideStream.of(x.device)
+    with side.branch():
+        y = swiglu_mlp(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=swiglu_limit)
+    weights, ids = route()
+    routed = experts(x, ids, weights, swiglu_limit=swiglu_limit)
+    side.join()
+    return routed + y
 
 
 class MhcBlock(nn.Module):
