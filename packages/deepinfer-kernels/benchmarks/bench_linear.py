@@ -10,6 +10,11 @@ once) and % of the ceilings; appends JSON lines to benchmarks/results/linear.jso
 ``--decode``: the decode-size projections of V4 / V4.1 at 1, 2 and 8 rows, replayed from CUDA graphs (a step's
 view: no launch overhead), ``triton_skinny`` (the default backend there) against cuBLAS, with GB/s of the weight.
 
+``--stream``: the wide decode projections (16-315 MB weights: q up-projections, output projections, the shared
+expert's down projection, V4.1's Engram value projection) at 1 and 8 rows: ``triton_skinny``'s
+weight-stream tilings (``--tilings``) against cuBLAS, CUDA graphs of calls on rotating weight copies (each call
+streams its weight from HBM, as in a decode step), GB/s of the weight and % of copy; the best tiling per shape last.
+
 ``--many``: ``linear_many`` at 1, 2 and 8 rows on the sets of projections a V4 / V4.1 decode step makes of one
 input (an attention layer's, a shared expert's gate and up), CUDA graphs: one launch (``triton_skinny``) against
 one ``linear`` per weight (the ``loop`` backend: skinny / cuBLAS each), GB/s of all the weights.
@@ -22,13 +27,14 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us, matmul_ceiling_tflops  # noqa: E402
 from deepinfer_kernels.ops.linear.cublas import linear_cublas  # noqa: E402
 from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
 from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
-from deepinfer_kernels.ops.linear.triton_skinny import linear_skinny, serves  # noqa: E402
+from deepinfer_kernels.ops.linear.triton_skinny import Tiling, linear_skinny, serves  # noqa: E402
 from deepinfer_kernels.ops.linear_many.reference import linear_many_loop  # noqa: E402
 from deepinfer_kernels.ops.linear_many.triton import linear_many_skinny  # noqa: E402
 
@@ -104,6 +110,83 @@ def decode_table(rec, ceil) -> None:
             print("  ".join(f"{row[c]:>20.4g}" if isinstance(row[c], float) else f"{row[c]:>20}" for c in cols))
 
 
+# (name, N, K): the wide decode projections
+STREAM_SHAPES = [
+    ("v4 wq_b", 32768, 1024),
+    ("v4 wo_b", 4096, 8192),
+    ("v4 shared w2", 4096, 2048),
+    ("v4 index wq_b", 8192, 1024),
+    ("v41 wq_b", 32768, 1280),
+    ("v41 wo_b", 5120, 8192),
+    ("v41 shared w2", 5120, 2304),
+    ("v41 index wq_b", 4096, 1280),
+    ("v41 engram wkv", 25600, 6144),
+]
+# (block_n, block_k, K split target, warps, stages); the K split is evened out over whole BLOCK_K steps
+STREAM_TILINGS = [
+    (32, 128, 512, 4, 4), (64, 128, 1024, 4, 4), (64, 128, 2048, 4, 4), (64, 256, 1024, 4, 3), (128, 128, 1024, 4, 3),
+    (128, 128, 1024, 8, 4), (128, 128, 2048, 8, 4), (128, 128, 2048, 4, 3), (64, 128, 4096, 4, 4),
+]  # fmt: skip
+
+
+def _tiling(bn: int, bk: int, ks: int, warps: int, stages: int, k: int) -> Tiling:
+    split = triton.cdiv(k, ks)
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    return Tiling(bn, bk, k_split, triton.cdiv(k, k_split), warps, stages)
+
+
+def _rotating_us(fn, copies) -> float:
+    """graph_us of fn(weight) with each captured call on the next weight copy (so each streams from HBM)."""
+    turn = iter(range(1 << 30))
+    return graph_us(lambda: fn(copies[next(turn) % len(copies)]))
+
+
+def stream_case(rec, ceil, tilings, name: str, n: int, k: int, m: int, copies) -> tuple:
+    """One shape at m rows: cuBLAS, the default dispatch and every tiling; returns (cuBLAS, default, best) us."""
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = linear_cublas(x, copies[0]).float()
+    results = [("cuBLAS", _rotating_us(lambda w: linear_cublas(x, w), copies))]
+    results.append(
+        ("default" if serves(m, n, k) else "default (cuBLAS)", _rotating_us(lambda w: linear_skinny(x, w), copies))
+    )
+    for t in tilings:
+        tiling = _tiling(*t, k)
+        label = (
+            f"bn{tiling.block_n} bk{tiling.block_k} ks{tiling.k_split}x{tiling.split} w{tiling.warps} s{tiling.stages}"
+        )
+        err = ((linear_skinny(x, copies[0], cfg=tiling).float() - ref).norm() / ref.norm()).item()
+        if err > 1e-2:
+            print(f"  {name} M={m} {label}: rel err {err:.1e} against cuBLAS (skipped)")
+            continue
+        results.append((label, _rotating_us(lambda w, t=tiling: linear_skinny(x, w, cfg=t), copies)))
+    nbytes = n * k * 2
+    for label, us in results:
+        gbs = nbytes / us / 1e3
+        pct = 100 * gbs / ceil["copy_GBps"]
+        rec.add(kind="stream", shape=name, N=n, K=k, M=m, impl=label, us=us, GBps=gbs, pct_copy=pct)
+        print(f"  {name:20s} M={m} {label:34s} {us:7.2f} us {gbs:6.0f} GB/s {pct:5.1f}%")
+    best = min(results[2:], key=lambda r: r[1]) if len(results) > 2 else results[1]
+    return results[0][1], results[1][1], best
+
+
+def stream_table(rec, ceil, tilings) -> None:
+    print("\n== wide decode projections, CUDA graphs over rotating weight copies (us; GB/s of the weight)")
+    rows = []
+    for name, n, k in STREAM_SHAPES:
+        nbytes = n * k * 2
+        copies = [
+            (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(max(2, (1 << 29) // nbytes))
+        ]
+        rows += [(name, m, nbytes, *stream_case(rec, ceil, tilings, name, n, k, m, copies)) for m in (1, 8)]
+        del copies
+    print("\n== best per shape (us): cuBLAS, the default dispatch, the best tiling (GB/s of the weight)")
+    for name, m, nbytes, base, default, (label, us) in rows:
+        print(
+            f"  {name:20s} M={m} cuBLAS {base:7.2f}  default {default:7.2f} ({base / default:4.2f}x)  "
+            f"best {label:34s} {us:7.2f} ({nbytes / us / 1e3:.0f} GB/s)"
+        )
+
+
 # (name, K, [(N, fp32 output)]): the projections of one normed input in a decode step
 MANY_SETS = [
     ("v4 csa attention", 4096, [(1024, 0), (512, 0), (1024, 1), (1024, 1), (64, 0), (256, 1), (256, 1)]),
@@ -140,6 +223,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
     ap.add_argument("--decode", action="store_true", help="only the decode projections (triton_skinny vs cuBLAS)")
     ap.add_argument("--many", action="store_true", help="only linear_many's decode sets (one launch vs a loop)")
+    ap.add_argument("--stream", action="store_true", help="only the wide decode projections (weight-stream tilings)")
     args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
@@ -147,6 +231,9 @@ def main() -> None:
     print("ceilings:", {k: round(v, 1) for k, v in ceil.items()}, flush=True)
     rec = Recorder("linear")
     rec.add(kind="ceilings", **ceil)
+    if args.stream:
+        stream_table(rec, ceil, STREAM_TILINGS)
+        return
     if args.decode or args.many:
         if args.decode:
             decode_table(rec, ceil)

@@ -1,7 +1,9 @@
 """The decode-size ``linear`` backend (``triton_skinny``) vs the reference: under Triton's interpreter on CPU at
 small shapes (K split with the last-program fixup, one split, ragged N / K, 1-8 rows, fp32 output, fp16), and on
 CUDA at the V4 / V4.1-Flash decode shapes it serves, with fresh random inputs; its determinism and the reset of its
-counters (two runs and CUDA-graph replays give the same bits), its fallback to cuBLAS, and the registry's choice."""
+counters (two runs and CUDA-graph replays give the same bits), its weight-stream tilings (wide weights: forced
+tilings under the interpreter, the V4 / V4.1 wide projections on CUDA), its fallback to cuBLAS, and the registry's
+choice."""
 
 import pytest
 import torch
@@ -46,22 +48,46 @@ INTERP_CASES = {
         ("float16", 5, 33, 600),
     )
 }
-test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
+
+
+def _interp_stream_tiling(m: int, n: int, k: int, block_n: int, k_split: int) -> None:
+    """A weight-stream tiling (wide column blocks, long K splits, the last one ragged) forced through ``cfg``."""
+    x, w = _pair(m, n, k, torch.bfloat16, "cpu", seed=7 * m + n)
+    tiling = skinny.Tiling(block_n, 64, k_split, -(-k // k_split), 4, 3)
+    y = skinny.linear_skinny(x, w, cfg=tiling)
+    assert_rel_close(y, linear_ref(x, w), TOL[torch.bfloat16], f"stream {m}x{n}x{k}")
+    y32 = skinny.linear_skinny(x, w, out_dtype=torch.float32, cfg=tiling)
+    assert_rel_close(y32, linear_ref(x.float(), w.float()), 1e-5, f"stream {m}x{n}x{k} -> fp32")
+
+
+INTERP_CASES["stream-1x200x704"] = ("_interp_stream_tiling", (1, 200, 704, 128, 256))  # 3 splits, ragged N and K
+INTERP_CASES["stream-8x128x300"] = ("_interp_stream_tiling", (8, 128, 300, 64, 512))  # one split
+test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)
 
 
 def test_config_and_what_it_serves():
-    assert skinny.skinny_config(512, 4096) == (32, 128, 512, 8)
-    assert skinny.skinny_config(1280, 5120) == (32, 128, 512, 10)
-    assert skinny.skinny_config(2304, 5120) == (64, 128, 512, 10)
-    assert skinny.skinny_config(64, 200) == (32, 128, 256, 1)
+    T = skinny.Tiling
+    assert skinny.skinny_config(512, 4096) == T(32, 128, 512, 8)
+    assert skinny.skinny_config(1280, 5120) == T(32, 128, 512, 10)
+    assert skinny.skinny_config(2304, 5120) == T(64, 128, 512, 10)
+    assert skinny.skinny_config(64, 200) == T(32, 128, 256, 1)
+    # weight streams: 128-row blocks, even K splits of whole BLOCK_K steps, 4 stages with one split, 3 with several
+    assert skinny.skinny_config(32768, 1024) == T(128, 128, 1024, 1, 4, 4)
+    assert skinny.skinny_config(5120, 8192) == T(128, 128, 2048, 4, 4, 3)
+    assert skinny.skinny_config(25600, 6144) == T(128, 128, 2048, 3, 4, 3)
+    assert skinny.skinny_config(4096, 2304) == T(128, 128, 1152, 2, 4, 3)
     assert skinny.serves(8, 1280) and not skinny.serves(9, 64) and not skinny.serves(0, 64)
     assert skinny.serves(2, 2304) and not skinny.serves(3, 2304) and not skinny.serves(1, 2305)
+    assert skinny.serves(8, 32768, 1024) and skinny.serves(1, 5120, 8192) and not skinny.serves(9, 32768, 1024)
+    assert not skinny.serves(8, 4096, 2048) and not skinny.serves(1, 32768)  # under 32 MB, or K unknown: cuBLAS
 
 
 # ---- CUDA: the decode shapes it serves (V4: K 4096; V4.1: K 5120) ----
 
 SHAPES = [(4096, 1024), (4096, 512), (4096, 256), (4096, 64), (5120, 1280), (5120, 512), (5120, 384), (5120, 32)]
 WIDE = [(4096, 2048), (5120, 2304)]  # served at batch 1-2 only
+# weight streams: V4 / V4.1 q up-projections, output projections, V4.1's Engram values
+STREAMS = [(1024, 32768), (8192, 4096), (1280, 32768), (8192, 5120), (6144, 25600)]
 
 
 @pytest.mark.gpu
@@ -89,6 +115,18 @@ def test_gpu_wide_at_batch_one_and_two(m, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k, n", STREAMS)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_gpu_weight_streams(m, k, n):
+    x, w = _pair(m, n, k, torch.bfloat16, "cuda", seed=m + k + n)
+    assert skinny.serves(m, n, k)
+    y = skinny.linear_skinny(x, w)
+    assert_rel_close(y, linear_ref(x, w), TOL[torch.bfloat16], f"{m}x{n}x{k}")
+    assert_rel_close(skinny.linear_skinny(x, w, torch.float32), linear_ref(x.float(), w.float()), 1e-5, "fp32 out")
+    assert_bitwise(skinny.linear_skinny(x, w), y, "repeat")
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replays_and_fallbacks():
     x, w = _pair(4, 512, 4096, torch.bfloat16, "cuda", seed=3)
     eager = skinny.linear_skinny(x, w)
@@ -107,7 +145,7 @@ def test_gpu_graph_replays_and_fallbacks():
     # more rows or a wide weight: cuBLAS, bitwise
     xs, wide = _pair(16, 4096, 4096, torch.bfloat16, "cuda", seed=4)
     assert_bitwise(skinny.linear_skinny(xs, w), linear_cublas(xs, w), "16 rows")
-    assert_bitwise(skinny.linear_skinny(xs[:1], wide), linear_cublas(xs[:1], wide), "4096 weight rows")
+    assert_bitwise(skinny.linear_skinny(xs[:1], wide), linear_cublas(xs[:1], wide), "4096 x 4096: too small to stream")
     x32 = x.float()
     assert_bitwise(skinny.linear_skinny(x32, w.float()), linear_cublas(x32, w.float()), "fp32")
 

@@ -1,6 +1,6 @@
 """The decode-size GPU backend of ``linear`` (``triton_skinny``): y = x W^T for at most ``SKINNY_MAX_ROWS`` rows of
-bf16 / fp16 x against a narrow weight (at most ``SKINNY_MAX_N`` rows) of the same dtype, in one launch; every other
-call goes to cuBLAS (``cublas.py``).
+bf16 / fp16 x against a weight of the same dtype that is narrow (at most ``SKINNY_MAX_N`` rows) or large enough to
+stream (``STREAM_MIN_ELEMS``), in one launch; every other call goes to cuBLAS (``cublas.py``).
 
 At decode sizes a projection is a weight stream: [M <= 8, K] x [N, K]^T reads N K 2 bytes and does almost no math.
 cuBLAS splits K there too, but finishes with a second reduce kernel (and its launch gap). Here program (n, s)
@@ -11,16 +11,27 @@ of CUTLASS's semaphore) adds the SPLIT partials in split order, casts and stores
 next launch (CUDA-graph safe: no memset node, no host work).
 
 H200 sweep (session 8, CUDA graphs, M = 1 / 8): N <= 1024 with K = 4096 / 5120 takes 4.2-5.7 us against cuBLAS's
-5.7-6.8 us (e.g. [1, 4096] x [512, 4096]: 4.6 against 6.3 us); from N = 2048 on cuBLAS is as fast or faster, so wider
-weights stay there, except at batch 1-2 up to N = 2304 (64-column blocks: [1, 5120] x [2304, 5120] 8.0 against
-9.0 us, the V4.1 compressors). 32-column blocks and 512-column K splits were the best tiling for every narrow shape
-measured.
+5.7-6.8 us (e.g. [1, 4096] x [512, 4096]: 4.6 against 6.3 us); from N = 2048 on cuBLAS is as fast or faster, so
+mid-size weights stay there, except at batch 1-2 up to N = 2304 (64-column blocks: [1, 5120] x [2304, 5120] 8.0
+against 9.0 us, the V4.1 compressors). 32-column blocks and 512-column K splits were the best tiling for every narrow
+shape measured.
+
+Weight streams (session 13 sweep, ``bench_linear.py --stream``: graphs of calls on rotating weight copies, so each
+streams from HBM; ``benchmarks/baselines/bench_linear_stream_h200_session13.log``): 128-row blocks, K in even splits
+of at most 2048 columns, 4 warps, 4 stages with one split and 3 with several (other tilings were up to 40% slower on
+some shape). The output projections gain most: [4096, 8192] 22.0 -> 19.1 us at M = 1 (3.5 TB/s), 22.0 -> 20.2 at M =
+8, [5120, 8192] 26.1 -> 23.4 / 26.9 -> 24.6 us; the q up-projections [32768, 1024 / 1280] and V4.1's Engram values
+[25600, 6144] 2-4% (cuBLAS streams them at 87-95% of copy already). Weights under 32 MB stay on cuBLAS: the [4096 /
+5120, 2048 / 2304] shared-expert down projections were 3-10% slower here. V4's grouped ``wo_a`` (8 x [1024, 4096]) as
+one stream matched cuBLAS's batched GEMM (18.4-19.0 against 18.8 us) and stays there.
 
 Deterministic (fixed split and summation order for a given shape) but not batch-invariant: a row's bits change
 when the batch crosses ``SKINNY_MAX_ROWS`` (cuBLAS above it); batch-invariant mode keeps ``triton_fixed``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,6 +48,10 @@ SKINNY_MAX_N = 1280  # weight rows served at up to SKINNY_MAX_ROWS rows (32-colu
 SKINNY_WIDE_N, SKINNY_WIDE_ROWS = 2304, 2  # and wider weights up to these at batch 1-2 (64-column blocks)
 BLOCK_M, BLOCK_K, K_SPLIT = 16, 128, 512
 COUNTERS = 1 << 14  # column blocks a launch may use (N / BLOCK_N)
+# weight streams: wider weights of at least STREAM_MIN_ELEMS elements (32 MB in bf16: the q up-projections, output
+# projections and V4.1's Engram values, 67-315 MB) in STREAM_BLOCK_N-row blocks and K splits of up to STREAM_K_SPLIT
+STREAM_MIN_N, STREAM_MIN_ELEMS = SKINNY_WIDE_N + 1, 1 << 24
+STREAM_BLOCK_N, STREAM_K_SPLIT = 128, 2048
 
 
 @triton.jit
@@ -110,44 +125,67 @@ def counter_block(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, K_SPLIT, SPLIT): 32-column blocks (64 past SKINNY_MAX_N), K in splits of 512 (the last
-    one ragged)."""
+@dataclass(frozen=True)
+class Tiling:
+    """How one launch cuts an [N, K] weight: programs of ``block_n`` weight rows x ``k_split`` columns (``split``
+    of them along K, the last one ragged), K walked in ``block_k`` steps; ``warps`` / ``stages`` of the launch."""
+
+    block_n: int
+    block_k: int
+    k_split: int
+    split: int
+    warps: int = 4
+    stages: int = 4
+
+
+def skinny_config(n: int, k: int) -> Tiling:
+    """The tiling of an [n, k] weight: narrow weights (up to ``SKINNY_WIDE_N`` rows) in 32-column blocks (64 past
+    ``SKINNY_MAX_N``) and 512-column K splits, latency-bound; wider ones as a weight stream (``STREAM_*``)."""
+    if n > SKINNY_WIDE_N:
+        split = triton.cdiv(k, STREAM_K_SPLIT)
+        k_split = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K  # even splits, whole K steps
+        split = triton.cdiv(k, k_split)
+        return Tiling(STREAM_BLOCK_N, BLOCK_K, k_split, split, 4, 4 if split == 1 else 3)
     k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
-    return (32 if n <= SKINNY_MAX_N else 64), BLOCK_K, k_split, triton.cdiv(k, k_split)
+    return Tiling(32 if n <= SKINNY_MAX_N else 64, BLOCK_K, k_split, triton.cdiv(k, k_split))
 
 
-def serves(m: int, n: int) -> bool:
-    """Whether ``linear_skinny`` takes an [m, K] x [n, K]^T product itself (bf16 / fp16), not cuBLAS."""
-    return 0 < m <= SKINNY_MAX_ROWS and (n <= SKINNY_MAX_N or (n <= SKINNY_WIDE_N and m <= SKINNY_WIDE_ROWS))
+def serves(m: int, n: int, k: int | None = None) -> bool:
+    """Whether ``linear_skinny`` takes an [m, k] x [n, k]^T product itself (bf16 / fp16), not cuBLAS: narrow
+    weights at up to ``SKINNY_MAX_ROWS`` rows (up to ``SKINNY_WIDE_N`` at ``SKINNY_WIDE_ROWS``), and weights of at
+    least ``STREAM_MIN_N`` rows and ``STREAM_MIN_ELEMS`` elements (k unknown: not) at up to SKINNY_MAX_ROWS."""
+    if not 0 < m <= SKINNY_MAX_ROWS:
+        return False
+    if n <= SKINNY_MAX_N or (n <= SKINNY_WIDE_N and m <= SKINNY_WIDE_ROWS):
+        return True
+    return k is not None and n >= STREAM_MIN_N and n * k >= STREAM_MIN_ELEMS
 
 
 def linear_skinny(
-    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, cfg=None
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, cfg: Tiling | None = None
 ) -> torch.Tensor:
     """``linear`` for <= ``SKINNY_MAX_ROWS`` rows of bf16 / fp16 x with a weight of x's dtype (see the module
-    docstring); cuBLAS otherwise. ``cfg`` (BLOCK_N, BLOCK_K, K_SPLIT, SPLIT) overrides the tiling (benchmarks)."""
+    docstring); cuBLAS otherwise. ``cfg`` overrides the tiling (benchmarks; then any weight width is served)."""
     k, n = x.shape[-1], weight.shape[0]
     lead = x.shape[:-1]
     a = x.reshape(-1, k)
     m = a.shape[0]
     if (
-        n == 0 or k == 0 or not (serves(m, n) or (cfg is not None and 0 < m <= SKINNY_MAX_ROWS))
+        n == 0 or k == 0 or not (serves(m, n, k) or (cfg is not None and 0 < m <= SKINNY_MAX_ROWS))
         or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
     ):  # fmt: skip
         return linear_cublas(x, weight, out_dtype)
-    a = a.contiguous()
-    w = weight.contiguous()
-    block_n, block_k, k_split, split = cfg or skinny_config(n, k)
-    tiles = triton.cdiv(n, block_n)
-    if tiles > COUNTERS:
+    tiling = cfg or skinny_config(n, k)
+    if triton.cdiv(n, tiling.block_n) > COUNTERS:
         return linear_cublas(x, weight, out_dtype)
+    a = a.contiguous()
+    t = tiling
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _skinny_kernel[(tiles, split)](
-        a, w, out, ws, counter_block(x.device), m, n, k, k_split, split,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=interpreting(),
-        num_warps=4, num_stages=4, **pdl_options(a.device),
+    ws = torch.empty(t.split, m, n, dtype=torch.float32, device=x.device) if t.split > 1 else out
+    _skinny_kernel[(triton.cdiv(n, t.block_n), t.split)](
+        a, weight.contiguous(), out, ws, counter_block(x.device), m, n, k, t.k_split, t.split,
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, F32_DOT=interpreting(),
+        num_warps=t.warps, num_stages=t.stages, **pdl_options(a.device),
     )  # fmt: skip
     return out.reshape(*lead, n)
 
