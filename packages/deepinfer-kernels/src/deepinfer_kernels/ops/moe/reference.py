@@ -69,19 +69,25 @@ def moe_route_hash_ref(
     check_ranges: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, scoring)
-    # the range checks read the device: skipped when the caller checked the table once and the token ids at
-    # admission (check_ranges=False), and while a CUDA graph is captured
-    check = check_ranges and not (logits.is_cuda and torch.cuda.is_current_stream_capturing())
-    if check and input_ids.numel():
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= tid2eid.shape[0]:
-            raise ValueError(f"moe_route_hash: token ids span [{lo}, {hi}], table has {tid2eid.shape[0]} rows")
+    check_hash_ranges(logits, tid2eid, input_ids, check_ranges)
     experts = tid2eid[input_ids.long()].long()
-    if check and experts.numel():
+    return _weights_at(scores, experts, route_scale, norm_topk, norm_eps), experts
+
+
+def check_hash_ranges(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor, check_ranges: bool) -> None:
+    """moe_route_hash's range checks, shared by its backends (the same errors everywhere): the token ids index
+    the table, the entries they pick lie in [0, E). They read the device: skipped when the caller checked the
+    table once and the token ids at admission (check_ranges=False), and while a CUDA graph is captured."""
+    if not check_ranges or (logits.is_cuda and torch.cuda.is_current_stream_capturing()) or not input_ids.numel():
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= tid2eid.shape[0]:
+        raise ValueError(f"moe_route_hash: token ids span [{lo}, {hi}], table has {tid2eid.shape[0]} rows")
+    experts = tid2eid[input_ids.long()]
+    if experts.numel():
         lo, hi = int(experts.min()), int(experts.max())
         if lo < 0 or hi >= logits.shape[-1]:
             raise ValueError(f"moe_route_hash: tid2eid gives experts in [{lo}, {hi}], have {logits.shape[-1]}")
-    return _weights_at(scores, experts, route_scale, norm_topk, norm_eps), experts
 
 
 @register_reference("swiglu_clamp")
