@@ -1,6 +1,6 @@
-"""SideStream: the decode step's branch / join. On the CPU (or with DEEPINFER_SIDE_STREAMS=0) both do nothing; on CUDA a
-branch's writes are seen after the join, eagerly and from a captured graph, and a join without a branch (a layer that
-branched nothing) is a no-op, also inside a capture."""
+"""SideStream: the decode step's branch / join. On the CPU (or with DEEPINFER_SIDE_STREAMS=0) both do nothing; on CUDA
+a branch's writes are seen after the join, eagerly and from a captured graph, on either lane, and a join without a
+branch (a layer that branched nothing) is a no-op, also inside a capture."""
 
 import pytest
 import torch
@@ -19,6 +19,14 @@ def test_cpu_and_switched_off_are_inline(monkeypatch):
     assert SideStream.of(torch.device("cuda", 0)).stream is None
 
 
+@pytest.mark.gpu
+def test_gpu_lanes():
+    dev = torch.device("cuda")
+    layer, engram = SideStream.of(dev), SideStream.of(dev, "engram")
+    assert layer is SideStream.of(dev, "layer") and engram is SideStream.of(dev, "engram")
+    assert layer.stream is not None and engram.stream is not None and layer.stream != engram.stream
+
+
 def _step(side: SideStream, a: torch.Tensor, out: torch.Tensor, branch: bool) -> torch.Tensor:
     """main: b = a * 3 (several kernels); branch: out = a + 1 (written in place, read after the join)."""
     if branch:
@@ -35,8 +43,9 @@ def _step(side: SideStream, a: torch.Tensor, out: torch.Tensor, branch: bool) ->
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("branch", [True, False])
-def test_gpu_branch_join_eager_and_captured(branch):
-    side = SideStream.of(torch.device("cuda"))
+@pytest.mark.parametrize("lane", ["layer", "engram"])
+def test_gpu_branch_join_eager_and_captured(branch, lane):
+    side = SideStream.of(torch.device("cuda"), lane)
     assert side.stream is not None
     a = torch.randn(1 << 20, device="cuda")
     out = torch.zeros_like(a)

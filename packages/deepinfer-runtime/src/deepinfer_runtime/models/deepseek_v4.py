@@ -283,25 +283,28 @@ class Attention(nn.Module):
         pos = batch["pos"]
         proj = project(x, *self.projections())
         side = SideStream.of(x.device)
-        if self.kind != SLIDING:  # the compressors write rings and entry stores nothing reads before their join
-            key = ("comp", self.layer)
-            with side.branch():
+        key = ("comp", self.layer)
+        # beside the query path, what nothing on it reads before the join: the compressors (ring writes, entry
+        # stores) and the window's latents with their ring write and row table
+        with side.branch():
+            if self.kind != SLIDING:
                 self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
                 if self.kind == CSA:
                     c = self.indexer.compressor
                     c.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
+            kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         qr, q = self.query(x, pos, xa=proj[0])
-        kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         if self.kind != SLIDING:
-            if self.kind == CSA:
+            if self.kind == CSA:  # (joins before its index scores)
                 picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, side)
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)
-            idx = torch.cat([idx, batch.pool_rows(key, picked, offset=kv_all.shape[0])], dim=1)
+            entries = batch.pool_rows(key, picked, offset=kv_all.shape[0])
+        side.join()
+        if self.kind != SLIDING:
+            idx = torch.cat([idx, entries], dim=1)
             kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
-            if self.kind == HCA:  # (CSA joined before its index scores)
-                side.join()
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)
 

@@ -300,7 +300,14 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, n, d] streams, ids [T, 24] -> streams with the gated value added (fp32 gate)."""
-        kv = self.wkv(self.gather(ids, x.dtype, x.device)).view(-1, self.hc + 1, self.hidden)
+        return self.inject(x, self.values(ids, x.dtype, x.device))
+
+    def values(self, ids: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """ids [T, 24] -> keys and value [T, n + 1, d] in ``dtype``: the part that reads token ids only."""
+        return self.wkv(self.gather(ids, dtype, device)).view(-1, self.hc + 1, self.hidden)
+
+    def inject(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """x [T, n, d] streams and ``values`` [T, n + 1, d] -> streams with the gated value added."""
         w = self.q_weight.float() * self.k_weight.float()
         return engram_gate_inject(x, kv[:, : self.hc], kv[:, self.hc], w, None)
 
@@ -536,11 +543,13 @@ class Attention(nn.Module):
         pos = batch["pos"]
         proj = project(x, *self.projections())
         side = SideStream.of(x.device)
-        if self.kv_source == self.layer:  # the compressor writes rings and entry pools read only after the join
-            with side.branch():
+        # beside the query path, what nothing on it reads before the join: the compressor (ring writes, entry
+        # pools) and the window's latents with their ring write and row table
+        with side.branch():
+            if self.kv_source == self.layer:
                 self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
+            kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         qr, q = self.query(x, pos, xa=proj[0])
-        kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         if self.index_source == self.layer:
             qi, weights = self.index_query(None, qr, pos, xw=proj[-1])
         side.join()
@@ -1035,11 +1044,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre_mix = mhc_initial_pre_mix(rows, cfg.hc_mult, ids.device)
         compressed = self.engram_token_map[ids][:, None]
         history = batch.buffers[("engram",)][slots].view(rows, -1) if cfg.engram_layer_ids else None
-        shared, taps = {}, {}
+        shared, taps, values = {}, {}, {}
+
+        def engram_values(e: Engram) -> torch.Tensor:
+            e_ids = engram_hash_ids(compressed, history, e.multipliers, e.primes, self._engram_pad_id())
+            return e.values(e_ids[:, 0], x.dtype, x.device)
+
+        # token ids only: made from the step's start beside the layers before each Engram gate, where the table is
+        # local (a rank-sharded table's lookup is a collective: it keeps its place in the forward order)
+        local = [b.engram for b in self.layers if hasattr(b, "engram") and b.engram.row_range is None]
+        lane = SideStream.of(ids.device, "engram")
+        if local:
+            with lane.branch():
+                values = {e: engram_values(e) for e in local}
         for block in self.layers:
             if hasattr(block, "engram"):
+                lane.join()
                 e = block.engram
-                x = e(x, engram_hash_ids(compressed, history, e.multipliers, e.primes, self._engram_pad_id())[:, 0])
+                x = e.inject(x, values[e] if e in values else engram_values(e))
             if block.layer in cfg.dspark_target_layer_ids:
                 taps[block.layer] = x.float().mean(dim=1).to(x.dtype)
             x, pre_mix = block.run(x, pre_mix, partial(block.attn.forward_decode, batch=batch, shared=shared))

@@ -2,9 +2,11 @@
 
 At small decode batches a layer's kernels are latency-bound: each waits on a few dependent memory round trips and
 leaves most SMs idle. Work that no kernel of the main path reads until later can then run beside the main path
-instead of before or after it: the compressors (ring write, pooling, norm, entry store; V4 and V4.1), the shared
-expert beside the router and the routed experts (both), V4.1's mHC coefficients beside the sublayer they wrap (its
-lagged wiring collapses with the previous site's weights, so only the expand waits for them):
+instead of before or after it: the compressors (ring write, pooling, norm, entry store; V4 and V4.1) and the
+window's latents (norm, RoPE, ring write, row table) beside the query path, the shared expert beside the router and
+the routed experts (both), V4.1's mHC coefficients beside the sublayer they wrap (its lagged wiring collapses with the
+previous site's weights, so only the expand waits for them), and on a lane of their own V4.1's Engram values (hash,
+row gather, value projection: token ids only) beside the layers before their gate:
 
     side = SideStream.of(x.device)
     with side.branch():   # the side stream waits for everything enqueued so far, then takes this block's work
@@ -31,21 +33,23 @@ SIDE_STREAMS_ENV = "DEEPINFER_SIDE_STREAMS"  # "0": run the branches in order on
 
 
 class SideStream:
-    """One side stream per CUDA device (``of``); a no-op stand-in elsewhere."""
+    """Side streams per CUDA device, one per ``lane`` (``of``); a no-op stand-in elsewhere."""
 
-    _streams: dict[torch.device, SideStream] = {}
+    _streams: dict[tuple[torch.device, str], SideStream] = {}
 
     def __init__(self, stream: torch.cuda.Stream | None):
         self.stream = stream
         self.pending = False  # work branched since the last join
 
     @classmethod
-    def of(cls, device: torch.device) -> SideStream:
+    def of(cls, device: torch.device, lane: str = "layer") -> SideStream:
+        """The side stream of ``lane`` on ``device``. Branches of one lane run in order; a long branch that must not
+        hold up the layers' short ones (V4.1's Engram values, made at the start of a step) takes its own lane."""
         if device.type != "cuda" or os.environ.get(SIDE_STREAMS_ENV, "1") == "0":
             return _INLINE
-        side = cls._streams.get(device)
+        side = cls._streams.get((device, lane))
         if side is None:
-            side = cls._streams[device] = cls(torch.cuda.Stream(device))
+            side = cls._streams[(device, lane)] = cls(torch.cuda.Stream(device))
         return side
 
     @contextlib.contextmanager
