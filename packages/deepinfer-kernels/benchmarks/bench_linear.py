@@ -12,7 +12,7 @@ view: no launch overhead), ``triton_skinny`` (the default backend there) against
 
 ``--stream``: the wide decode projections (16-315 MB weights: q up-projections, output projections, the shared
 expert's down projection, V4.1's Engram value projection) at 1 and 8 rows: ``triton_skinny``'s
-weight-stream tilings (``--tilings``) against cuBLAS, CUDA graphs of calls on rotating weight copies (each call
+weight-stream tilings (``STREAM_TILINGS``) against cuBLAS, CUDA graphs of calls on rotating weight copies (each call
 streams its weight from HBM, as in a decode step), GB/s of the weight and % of copy; the best tiling per shape last.
 
 ``--many``: ``linear_many`` at 1, 2 and 8 rows on the sets of projections a V4 / V4.1 decode step makes of one

@@ -62,7 +62,7 @@ def _interp_stream_tiling(m: int, n: int, k: int, block_n: int, k_split: int) ->
 
 INTERP_CASES["stream-1x200x704"] = ("_interp_stream_tiling", (1, 200, 704, 128, 256))  # 3 splits, ragged N and K
 INTERP_CASES["stream-8x128x300"] = ("_interp_stream_tiling", (8, 128, 300, 64, 512))  # one split
-test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)
+test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
 def test_config_and_what_it_serves():
