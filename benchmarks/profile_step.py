@@ -20,7 +20,8 @@ host-bound when the first exceeds the device's time.
 ``--timeline`` (decode, CUDA): the kernels of one step in start order with the gap before each, the step's GPU span
 (first kernel start to last kernel end), busy time (the union of the kernels' intervals) and idle time, and the
 kernels grouped by name (the floor ratio's GPU-side view, without the host's planning). Kernels overlap (programmatic
-dependent launch, side streams), so each also gets its own time: what it adds to the span (``timeline_record``).
+dependent launch, side streams), so each also gets its own time: what it adds to the span (``timeline_record``), and
+its stream (the profiler's device resource id of a kernel event), summed per stream.
 """
 
 from __future__ import annotations
@@ -112,21 +113,38 @@ def _profile(step, dev: str, steps: int, top: int, shapes: bool = False) -> dict
     return rec
 
 
-def timeline_record(kernels: list[tuple[str, float, float]]) -> dict:
-    """One step's kernels [(name, start us, end us)] in start order -> the timeline record.
+def timeline_record(kernels: list[tuple]) -> dict:
+    """One step's kernels [(name, start us, end us[, stream])] in start order -> the timeline record.
 
     Kernels overlap: with programmatic dependent launch a kernel starts while the one before it ends (its first
     instruction waits), and kernels on a second stream run beside the main path. So each kernel carries its raw
     duration (``us``) and its own time (``own_us``): the part of it after every earlier-started kernel has ended,
     i.e. what it adds to the step's GPU span. The own times add up to ``busy_us``, the union of the intervals;
-    ``idle_us`` = span - busy is time no kernel ran. Families are ranked by own time."""
+    ``idle_us`` = span - busy is time no kernel ran. Families are ranked by own time. With a stream per kernel, each
+    order entry names it and ``streams`` sums kernels, raw and own time per stream (which work ran beside the main
+    path, and what it still added to the span)."""
     if not kernels:
-        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "order": [], "families": []}
+        return {
+            "kernels": 0,
+            "span_us": 0.0,
+            "busy_us": 0.0,
+            "idle_us": 0.0,
+            "order": [],
+            "families": [],
+            "streams": {},
+        }
     frontier = kernels[0][1]  # the latest end among the kernels started so far
-    order, families, busy = [], {}, 0.0
-    for name, start, end in kernels:
+    order, families, streams, busy = [], {}, {}, 0.0
+    for name, start, end, *rest in kernels:
         own = max(0.0, end - max(start, frontier))
-        order.append({"kernel": name[:110], "gap_us": max(0.0, start - frontier), "us": end - start, "own_us": own})
+        entry = {"kernel": name[:110], "gap_us": max(0.0, start - frontier), "us": end - start, "own_us": own}
+        if rest and rest[0] is not None:
+            entry["stream"] = rest[0]
+            st = streams.setdefault(str(rest[0]), {"kernels": 0, "us": 0.0, "own_us": 0.0})
+            st["kernels"] += 1
+            st["us"] += end - start
+            st["own_us"] += own
+        order.append(entry)
         fam = families.setdefault(name[:60], [0, 0.0, 0.0])
         fam[0] += 1
         fam[1] += end - start
@@ -137,7 +155,7 @@ def timeline_record(kernels: list[tuple[str, float, float]]) -> dict:
     top = sorted(families.items(), key=lambda kv: -kv[1][2])
     return {
         "kernels": len(kernels), "span_us": span, "busy_us": busy, "idle_us": span - busy, "order": order,
-        "families": [{"kernel": k, "calls": c, "us": t, "own_us": o} for k, (c, t, o) in top],
+        "families": [{"kernel": k, "calls": c, "us": t, "own_us": o} for k, (c, t, o) in top], "streams": streams,
     }  # fmt: skip
 
 
@@ -163,7 +181,10 @@ def _timeline(step, steps: int = 3) -> dict:
         frontier = max(frontier, e.time_range.end)
     groups.append(cur)
     one = max(groups, key=len)
-    return timeline_record([(e.name, e.time_range.start, e.time_range.end) for e in one])
+    # a kernel event's device resource is its CUDA stream
+    return timeline_record(
+        [(e.name, e.time_range.start, e.time_range.end, getattr(e, "device_resource_id", None)) for e in one]
+    )
 
 
 def _enqueue(step, steps: int = 10) -> dict:
@@ -196,6 +217,8 @@ def _print_timeline(title: str, rec: dict, show: int = 30) -> None:
     )
     for f in rec["families"][:show]:
         print(f"   {f['own_us']:9.1f} us own {f['us']:9.1f} us raw {f['calls']:4d}  {f['kernel']}")
+    for stream, st in rec.get("streams", {}).items():
+        print(f"   stream {stream}: {st['kernels']} kernels, {st['us']:.0f} us raw, {st['own_us']:.0f} us own")
 
 
 def _print(title: str, rec: dict, steps: int, top: int) -> None:

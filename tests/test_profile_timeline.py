@@ -29,6 +29,20 @@ def test_sequential_overlapping_and_side_stream_kernels():
     assert rec["families"][0]["kernel"] == "a"  # ranked by own time
 
 
+def test_streams():
+    kernels = [("a", 0.0, 10.0, 7), ("side", 2.0, 14.0, 9), ("b", 10.0, 12.0, 7), ("c", 15.0, 16.0, 7)]
+    rec = profile_step.timeline_record(kernels)
+    assert [o["stream"] for o in rec["order"]] == [7, 9, 7, 7]
+    assert rec["streams"] == {
+        "7": {"kernels": 3, "us": 13.0, "own_us": 11.0},
+        "9": {"kernels": 1, "us": 12.0, "own_us": 4.0},  # 10 -> 14: past a, beside b, then alone
+    }
+    assert rec["busy_us"] == 15.0 and rec["idle_us"] == 1.0
+    without = profile_step.timeline_record([k[:3] for k in kernels])  # no stream: the same times, no stream table
+    assert without["streams"] == {} and "stream" not in without["order"][0]
+    assert [o["own_us"] for o in without["order"]] == [o["own_us"] for o in rec["order"]]
+
+
 def test_empty():
     rec = profile_step.timeline_record([])
-    assert rec["kernels"] == 0 and rec["span_us"] == 0.0 and rec["order"] == []
+    assert rec["kernels"] == 0 and rec["span_us"] == 0.0 and rec["order"] == [] and rec["streams"] == {}
