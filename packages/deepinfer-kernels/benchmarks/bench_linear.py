@@ -27,14 +27,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us, matmul_ceiling_tflops  # noqa: E402
 from deepinfer_kernels.ops.linear.cublas import linear_cublas  # noqa: E402
 from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
 from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
-from deepinfer_kernels.ops.linear.triton_skinny import Tiling, linear_skinny, serves  # noqa: E402
+from deepinfer_kernels.ops.linear.triton_skinny import Tiling, even_k_split, linear_skinny, serves  # noqa: E402
 from deepinfer_kernels.ops.linear_many.reference import linear_many_loop  # noqa: E402
 from deepinfer_kernels.ops.linear_many.triton import linear_many_skinny  # noqa: E402
 
@@ -130,9 +129,7 @@ STREAM_TILINGS = [
 
 
 def _tiling(bn: int, bk: int, ks: int, warps: int, stages: int, k: int) -> Tiling:
-    split = triton.cdiv(k, ks)
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    return Tiling(bn, bk, k_split, triton.cdiv(k, k_split), warps, stages)
+    return Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
 
 
 def _rotating_us(fn, copies) -> float:

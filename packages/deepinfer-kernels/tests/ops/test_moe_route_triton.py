@@ -29,7 +29,11 @@ def _same(logits, bias, k, what, **kw):
     from deepinfer_kernels.ops.moe.route_triton import moe_route_topk_triton
 
     w, e = moe_route_topk_triton(logits, bias, k, route_scale=1.5, **kw)
-    w_ref, e_ref = moe_route_topk_ref(logits, bias, k, route_scale=1.5, **kw)
+    _agree(w, e, *moe_route_topk_ref(logits, bias, k, route_scale=1.5, **kw), what)
+
+
+def _agree(w, e, w_ref, e_ref, what):
+    """The kernel's (weights, experts) against the reference's: dtypes, the same experts, weights to 1e-5."""
     assert e.dtype == torch.int64 and w.dtype == torch.float32, what
     assert torch.equal(e, e_ref), f"{what}: experts differ in {int((e != e_ref).any(1).sum())} rows"
     assert_rel_close(w, w_ref, 1e-5, what)
@@ -76,9 +80,7 @@ def _same_hash(logits, table, ids, what, **kw):
 
     w, e = moe_route_hash_triton(logits, table, ids, route_scale=1.5, **kw)
     w_ref, e_ref = moe_route_hash_ref(logits, table, ids, route_scale=1.5, **kw)
-    assert e.dtype == torch.int64 and w.dtype == torch.float32, what
-    assert torch.equal(e, e_ref), f"{what}: experts differ in {int((e != e_ref).any(1).sum())} rows"
-    assert_rel_close(w, w_ref, 1e-5, what)
+    _agree(w, e, w_ref, e_ref, what)
     worst = float(((w.double() - w_ref.double()).abs() / w_ref.double().abs()).max()) if w.numel() else 0.0
     assert worst <= 1e-5, f"{what}: a weight is off by {worst:.2e} relative"
     return w, e

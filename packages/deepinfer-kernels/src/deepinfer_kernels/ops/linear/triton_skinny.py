@@ -138,13 +138,18 @@ class Tiling:
     stages: int = 4
 
 
+def even_k_split(k: int, most: int, block_k: int) -> tuple[int, int]:
+    """(columns per split, splits): K cut into the fewest splits of at most ``most`` columns, made even over whole
+    ``block_k`` steps (the last one ragged)."""
+    k_split = triton.cdiv(triton.cdiv(k, triton.cdiv(k, most)), block_k) * block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
 def skinny_config(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight: narrow weights (up to ``SKINNY_WIDE_N`` rows) in 32-column blocks (64 past
     ``SKINNY_MAX_N``) and 512-column K splits, latency-bound; wider ones as a weight stream (``STREAM_*``)."""
     if n > SKINNY_WIDE_N:
-        split = triton.cdiv(k, STREAM_K_SPLIT)
-        k_split = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K  # even splits, whole K steps
-        split = triton.cdiv(k, k_split)
+        k_split, split = even_k_split(k, STREAM_K_SPLIT, BLOCK_K)
         return Tiling(STREAM_BLOCK_N, BLOCK_K, k_split, split, 4, 4 if split == 1 else 3)
     k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
     return Tiling(32 if n <= SKINNY_MAX_N else 64, BLOCK_K, k_split, triton.cdiv(k, k_split))
@@ -175,11 +180,10 @@ def linear_skinny(
         or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
     ):  # fmt: skip
         return linear_cublas(x, weight, out_dtype)
-    tiling = cfg or skinny_config(n, k)
-    if triton.cdiv(n, tiling.block_n) > COUNTERS:
+    t = cfg or skinny_config(n, k)
+    if triton.cdiv(n, t.block_n) > COUNTERS:
         return linear_cublas(x, weight, out_dtype)
     a = a.contiguous()
-    t = tiling
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ws = torch.empty(t.split, m, n, dtype=torch.float32, device=x.device) if t.split > 1 else out
     _skinny_kernel[(triton.cdiv(n, t.block_n), t.split)](

@@ -63,6 +63,20 @@ def _score(x, row_max, row_sum, threshold, SCORING: tl.constexpr):
 
 
 @triton.jit
+def _store_route(
+    w_ptr, e_ptr, t, slot, weights, experts, route_scale, norm_eps, TOP_K: tl.constexpr, NORM: tl.constexpr
+):
+    """Both routers' tail: token t's k weights (scores at its experts; zero past TOP_K) normalised by their sum +
+    norm_eps with an IEEE division as the reference's (Triton's fp32 ``/`` is the approximate div.full on the GPU),
+    scaled, and stored with the experts in slots [0, TOP_K)."""
+    if NORM:
+        weights = tl.math.div_rn(weights, tl.sum(weights, axis=0) + norm_eps)
+    keep = slot < TOP_K
+    tl.store(w_ptr + t * TOP_K + slot, weights * route_scale, mask=keep)
+    tl.store(e_ptr + t * TOP_K + slot, experts, mask=keep)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, w_ptr, e_ptr, E, L_ST, route_scale, norm_eps, threshold,
     TOP_K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
@@ -92,11 +106,7 @@ def _route_kernel(
         weights = tl.where(slot == i, tl.sum(tl.where(cols == pick, s, 0.0), axis=0), weights)
         experts = tl.where(slot == i, pick.to(tl.int64), experts)
         free = free & (cols != pick)
-    if NORM:  # an IEEE division as the reference's (Triton's fp32 ``/`` is the approximate div.full on the GPU)
-        weights = tl.math.div_rn(weights, tl.sum(weights, axis=0) + norm_eps)
-    keep = slot < TOP_K
-    tl.store(w_ptr + t * TOP_K + slot, weights * route_scale, mask=keep)
-    tl.store(e_ptr + t * TOP_K + slot, experts, mask=keep)
+    _store_route(w_ptr, e_ptr, t, slot, weights, experts, route_scale, norm_eps, TOP_K, NORM)
 
 
 @triton.jit
@@ -122,10 +132,7 @@ def _hash_route_kernel(
     else:
         row_max, row_sum = 0.0, 1.0
     weights = tl.where(keep, _score(x, row_max, row_sum, threshold, SCORING), 0.0)
-    if NORM:  # an IEEE division as the reference's
-        weights = tl.math.div_rn(weights, tl.sum(weights, axis=0) + norm_eps)
-    tl.store(w_ptr + t * TOP_K + slot, weights * route_scale, mask=keep)
-    tl.store(e_ptr + t * TOP_K + slot, experts, mask=keep)
+    _store_route(w_ptr, e_ptr, t, slot, weights, experts, route_scale, norm_eps, TOP_K, NORM)
 
 
 def moe_route_topk_triton(logits, bias, top_k, *, route_scale, scoring="sqrtsoftplus", norm_topk=True, norm_eps=1e-20):
