@@ -2,14 +2,17 @@
 N = 8K / 32K / 128K compressed entries, rows = 1 / 8 / 64 / 256 queries; GB/s of scores read (one
 pass counted, though the kernel streams the row five times) as % of the copy ceiling, and the ratio
 to torch.topk (which returns unsorted values + indices and applies no masking; our op also sorts and
-pads).
+pads). Then the decode indexer's rows (N = 1K / 4K / 8K: context / ratio at 4K-32K tokens) replayed from CUDA
+graphs, the register-resident kernel against the streaming one (``block_row_max=0``) and torch.topk, and a sweep
+of the register kernel's warps.
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
 
 import torch
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us
+from deepinfer_kernels.ops.topk_select import triton as backend
 from deepinfer_kernels.ops.topk_select.triton import topk_select_triton
 
 K = 512
@@ -28,7 +31,33 @@ def main() -> None:
             gbs = x.numel() * 4 / ms / 1e6
             rec.add(case="topk", n=n, rows=rows, k=K, us=ms * 1e3, gbs=gbs, pct_ceiling=100 * gbs / ceiling,
                     torch_topk_us=peer * 1e3, speedup_vs_torch=peer / ms)  # fmt: skip
+    decode_rows(rec)
     sweep(rec)
+
+
+def decode_rows(rec: Recorder) -> None:
+    """Rows the register kernel serves, in CUDA graphs (a decode step's view): register vs stream vs torch.topk."""
+    for n in (1024, 4096, 8192):
+        for rows in (1, 8, 64, 256):
+            x = torch.relu(torch.randn(rows, n, device="cuda"))
+            lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
+            reg = graph_us(lambda x=x, lengths=lengths: topk_select_triton(x, K, lengths))
+            stream = graph_us(lambda x=x, lengths=lengths: topk_select_triton(x, K, lengths, block_row_max=0))
+            peer = graph_us(lambda x=x: torch.topk(x, K, dim=-1, sorted=False))
+            same = torch.equal(topk_select_triton(x, K, lengths), topk_select_triton(x, K, lengths, block_row_max=0))
+            rec.add(case="decode_rows", n=n, rows=rows, register_us=reg, stream_us=stream, torch_topk_us=peer,
+                    same_rows=same)  # fmt: skip
+    saved = backend.block_row_config
+    for n in (1024, 4096, 8192):
+        x = torch.relu(torch.randn(1, n, device="cuda"))
+        for warps in (2, 4, 8, 16, 32):
+            backend.block_row_config = lambda m, w=warps: (saved(m)[0], w)
+            try:
+                rec.add(
+                    case="register_warps", n=n, rows=1, warps=warps, us=graph_us(lambda x=x: topk_select_triton(x, K))
+                )
+            finally:
+                backend.block_row_config = saved
 
 
 def sweep(rec: Recorder) -> None:

@@ -1,7 +1,8 @@
 """topk_select: the reference's contract (against indexer_topk's reference), and the Triton radix
 select under the interpreter on CPU at small shapes and on CUDA at indexer shapes (k = 512 of
-N = 8K..128K). Selection is exact, so every comparison is bitwise equality of the index rows,
-including ties (lower index wins), -inf / NaN / masked entries and rows with fewer than k entries."""
+N = 1K..128K), both kernels (rows held in registers up to ``BLOCK_ROW_MAX`` entries, streamed past it;
+``block_row_max=0`` forces the stream). Selection is exact, so every comparison is bitwise equality of the
+index rows, including ties (lower index wins), -inf / NaN / masked entries and rows with fewer than k entries."""
 
 import pytest
 import torch
@@ -55,28 +56,41 @@ from deepinfer_kernels.ops.topk_select.triton import topk_select_triton  # noqa:
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 
-def _interp_matches_reference(k: int, with_lengths: bool) -> None:
+def _interp_matches_reference(k: int, with_lengths: bool, block_row_max: int) -> None:
     x, lengths = _hard_rows(3000, k)
     lengths = lengths if with_lengths else None
-    assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths))
+    got = topk_select_triton(x, k, lengths, block_row_max=block_row_max)
+    assert torch.equal(got, topk_select_ref(x, k, lengths))
 
 
-def _interp_strided_rows_and_invariance() -> None:
+def _interp_strided_rows_and_invariance(block_row_max: int) -> None:
     x, lengths = _hard_rows(2100, 3)
     wide = torch.zeros(12, 2500)
     wide[:, :2100] = x
     view = wide[:, :2100]  # row stride 2500
-    batch = topk_select_triton(view, 64, lengths)
+    batch = topk_select_triton(view, 64, lengths, block_row_max=block_row_max)
     assert torch.equal(batch, topk_select_ref(x, 64, lengths))
-    assert torch.equal(topk_select_triton(x[9:10], 64, lengths[9:10])[0], batch[9])
+    alone = topk_select_triton(x[9:10], 64, lengths[9:10], block_row_max=block_row_max)[0]
+    assert torch.equal(alone, batch[9])
 
 
+def _interp_short_rows() -> None:
+    """Rows shorter than the smallest register block (128) and than k."""
+    for n, k in ((1, 1), (5, 512), (100, 7), (129, 64)):
+        x, lengths = _hard_rows(n, n + k)
+        assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths)), (n, k)
+
+
+KERNELS = {"block": 8192, "stream": 0}  # block_row_max: rows of 3000 / 2100 in registers, or streamed
 INTERP_CASES = {
-    f"k{k}-{'lengths' if lens else 'full'}": ("_interp_matches_reference", (k, lens))
+    f"{kern}-k{k}-{'lengths' if lens else 'full'}": ("_interp_matches_reference", (k, lens, KERNELS[kern]))
+    for kern in KERNELS
     for k in (1, 16, 512, 5000)
     for lens in (True, False)
 }
-INTERP_CASES["strided-invariance"] = ("_interp_strided_rows_and_invariance", ())
+for _kern, _max in KERNELS.items():
+    INTERP_CASES[f"{_kern}-strided-invariance"] = ("_interp_strided_rows_and_invariance", (_max,))
+INTERP_CASES["short-rows"] = ("_interp_short_rows", ())
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -86,7 +100,7 @@ test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [8192, 32768, 131072])
+@pytest.mark.parametrize("n", [1024, 4096, 8192, 8193, 32768, 131072])
 def test_gpu_matches_reference(n):
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.relu(torch.randn(64, n, generator=g, device="cuda")) * 3  # ReLU-weighted sums: zeros tie
@@ -99,10 +113,13 @@ def test_gpu_matches_reference(n):
     assert torch.equal(out, topk_select_ref(x, 512, lengths))
     for r in (0, 3, 40):
         assert torch.equal(topk_select_triton(x[r : r + 1].clone(), 512, lengths[r : r + 1])[0], out[r]), r
+    if n <= 8192:  # the register-resident kernel served it: the stream gives the same rows
+        assert torch.equal(topk_select_triton(x, 512, lengths, block_row_max=0), out)
 
 
 @pytest.mark.gpu
-def test_gpu_hard_rows():
-    x, lengths = _hard_rows(50000, 1, device="cuda")
+@pytest.mark.parametrize("n", [50000, 6000])
+def test_gpu_hard_rows(n):
+    x, lengths = _hard_rows(n, 1, device="cuda")
     for k in (1, 512, 2048, 60000):
         assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths)), k

@@ -1,6 +1,6 @@
 """Triton radix-select top-k (CUDA backend ``triton``), in the spirit of DeepSelect.
 
-One program per row; the row is streamed from global memory in BLOCK chunks:
+One program per row:
 
 1. Every score maps to a 32-bit key whose signed-int order is the float order (negative floats get
    their 31 low bits flipped; -0.0 becomes +0.0). Non-selectable entries (NaN, -inf, n >= length)
@@ -13,11 +13,17 @@ One program per row; the row is streamed from global memory in BLOCK chunks:
    entries inside it (lower index wins: the contract's tie rule), at their running prefix count, so
    the output is ascending without a sort; then -1 fills the rest of the row.
 
-So two to five reads of the row (after the first, mostly L2 hits for indexer-size rows). One program
-per row is latency-bound at small batch (each tl.histogram pass costs ~90 us for a 128K row on H200, and
-2048 bins cost ~4x 256 bins, so wider digits do not pay);
-DeepSelect's single-read, cluster-split design is the next step. Results are exact (integer counts
-only), hence bitwise equal to the reference and trivially batch-invariant.
+Two kernels share these steps (``_keys``, ``_digit_hist``, ``_narrow``, ``_compact``):
+
+* ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
+  ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers. At small
+  batch the op is one program's latency, and each re-read of the row is a dependent L2 round trip.
+* ``_topk_select_kernel``, longer rows: the row is streamed in ``BLOCK`` chunks, so two to five reads of it
+  (after the first, mostly L2 hits for indexer-size rows). One program per row is latency-bound at small batch
+  (each tl.histogram pass costs ~90 us for a 128K row on H200, and 2048 bins cost ~4x 256 bins, so wider digits
+  do not pay); DeepSelect's single-read, cluster-split design is the next step.
+
+Results are exact (integer counts only), hence bitwise equal to the reference and trivially batch-invariant.
 """
 
 import torch
@@ -30,6 +36,93 @@ from deepinfer_kernels.registry import register_backend
 
 BLOCK = 2048  # elements per chunk of the row stream
 NUM_WARPS = 8
+BLOCK_ROW_MAX = 8192  # rows up to this many entries are held in registers (``_topk_select_block_kernel``)
+INT_MIN = tl.constexpr(-2147483648)
+
+
+@triton.jit
+def _keys(src, idx, N, length):
+    """(key, selectable) of row entries ``idx``: the signed-order int32 key of each score, INT_MIN where the entry
+    is not selectable (NaN, -inf, at or past ``length``) or past the row's end N."""
+    x = tl.load(src + idx, mask=idx < N, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order = float order
+    valid = (idx < length) & (x == x) & (x != float("-inf"))
+    return tl.where(valid, key, INT_MIN), valid
+
+
+@triton.jit
+def _digit_hist(key, in_row, prefix, shift, FIRST: tl.constexpr):
+    """Histogram (256 bins) of the 8-bit digit at ``shift`` of the unsigned-order keys whose higher digits equal
+    ``prefix``'s (every entry of the row in the first pass)."""
+    u = key ^ INT_MIN  # unsigned order as a bit pattern
+    digit = (u >> shift) & 0xFF
+    match = in_row
+    if not FIRST:
+        match = in_row & (((u ^ prefix) >> (shift + 8)) == 0)
+    return tl.histogram(digit, 256, mask=match)
+
+
+@triton.jit
+def _narrow(hist, k_rem, prefix, shift):
+    """One radix step: T's digit d at ``shift`` is the largest with #(digit >= d) >= k_rem. Returns (k_rem less
+    the entries above d, prefix with d, whether d's bucket holds more than k_rem entries: another pass)."""
+    bins = tl.arange(0, 256)
+    cnt_ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    d = tl.max(tl.where(cnt_ge >= k_rem, bins, -1), axis=0)
+    k_rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+    go = (k_rem < tl.sum(tl.where(bins == d, hist, 0), axis=0)).to(tl.int32)
+    return k_rem, prefix | (d << shift), go
+
+
+@triton.jit
+def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq):
+    """Write, in index order from position n_sel, the entries ``idx`` whose key is above T's decided bits ``t_hi``
+    (key >> level), or equal to them among the first k_rem such (n_eq of them seen before). Returns the new
+    (n_sel, n_eq)."""
+    hi = key >> level  # arithmetic shift: monotone in the signed key
+    eq = (valid & (hi == t_hi)).to(tl.int32)
+    eq_rank = n_eq + tl.cumsum(eq, axis=0) - 1
+    sel = (valid & (hi > t_hi)) | ((eq == 1) & (eq_rank < k_rem))
+    sel_i = sel.to(tl.int32)
+    pos = n_sel + tl.cumsum(sel_i, axis=0) - 1
+    tl.store(dst + pos, idx.to(tl.int64), mask=sel)
+    return n_sel + tl.sum(sel_i, axis=0), n_eq + tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _row_length(len_ptr, row, N, HAS_LEN: tl.constexpr):
+    length = N
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + row), 0), N).to(tl.int32)
+    return length
+
+
+@triton.jit
+def _topk_select_block_kernel(
+    s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False
+):  # fmt: skip
+    """A row of N <= BLOCK entries, read once: the radix passes and the compaction work on its keys in registers."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dst = out_ptr + row * out_stride
+    idx = tl.arange(0, BLOCK)
+    in_row = idx < N
+    key, valid = _keys(s_ptr + row * s_stride, idx, N, _row_length(len_ptr, row, N, HAS_LEN))
+    k_rem = tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0))
+    prefix = tl.zeros([], dtype=tl.int32)
+    level = tl.full([], 32, dtype=tl.int32)
+    go = tl.full([], 1, dtype=tl.int32)
+    for p in tl.static_range(4):
+        if go != 0:
+            hist = _digit_hist(key, in_row, prefix, 24 - 8 * p, p == 0)
+            k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
+            level = level * 0 + (24 - 8 * p)
+    zero = tl.zeros([], dtype=tl.int32)
+    n_sel, n_eq = _compact(dst, idx, key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
+    tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
 
 
 @triton.jit
@@ -37,88 +130,66 @@ def _topk_select_kernel(
     s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False
 ):  # fmt: skip
+    """A row of any length, streamed in BLOCK chunks by every pass."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * s_stride
     dst = out_ptr + row * out_stride
-    length = N
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(len_ptr + row), 0), N).to(tl.int32)
+    length = _row_length(len_ptr, row, N, HAS_LEN)
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    int_min: tl.constexpr = -2147483648
 
-    # Radix passes over 8-bit digits (most significant first) of the unsigned-order key u.
-    # prefix: the decided high bits of T's u; level: how many low bits are still undecided. A pass
-    # is skipped once the boundary bucket holds exactly the k_rem entries still needed (they are all
-    # taken, so T's low bits never matter).
+    # prefix: the decided high bits of T's unsigned-order key; level: how many low bits are still undecided
     prefix = tl.zeros([], dtype=tl.int32)
     k_rem = tl.zeros([], dtype=tl.int32)
     level = tl.full([], 32, dtype=tl.int32)
     go = tl.full([], 1, dtype=tl.int32)
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
         if go != 0:
             hist = tl.zeros([256], dtype=tl.int32)
             n_valid = tl.zeros([], dtype=tl.int32)
             for start in range(0, N, BLOCK):
                 idx = start + offs
-                x = tl.load(src + idx, mask=idx < N, other=0.0)
-                bits = x.to(tl.int32, bitcast=True)
-                bits = tl.where(bits == int_min, 0, bits)  # -0.0 -> +0.0
-                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order = float order
-                valid = (idx < length) & (x == x) & (x != float("-inf"))
-                key = tl.where(valid, key, int_min)
-                u = key ^ int_min  # unsigned order as a bit pattern
-                digit = (u >> shift) & 0xFF
-                in_row = idx < N
+                key, valid = _keys(src, idx, N, length)
                 if p == 0:
                     n_valid += tl.sum(valid.to(tl.int32), axis=0)
-                    match = in_row
-                    hist += tl.histogram(digit, 256, mask=match)
+                    hist += _digit_hist(key, idx < N, prefix, 24, True)
                 else:
-                    match = in_row & (((u ^ prefix) >> (shift + 8)) == 0)
-                    if tl.sum(match.to(tl.int32), axis=0) > 0:  # later passes: most chunks miss the bucket
-                        hist += tl.histogram(digit, 256, mask=match)
+                    u = key ^ INT_MIN
+                    in_bucket = (idx < N) & (((u ^ prefix) >> (24 - 8 * p + 8)) == 0)
+                    if tl.sum(in_bucket.to(tl.int32), axis=0) > 0:  # later passes: most chunks miss the bucket
+                        hist += _digit_hist(key, idx < N, prefix, 24 - 8 * p, False)
             if p == 0:
                 k_rem = tl.minimum(K, n_valid)
-            # the digit of T: the largest d with #(digit >= d) >= k_rem
-            cnt_ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            d = tl.max(tl.where(cnt_ge >= k_rem, bins, -1), axis=0)
-            k_rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            prefix = prefix | (d << shift)
-            level = level * 0 + shift
-            go = (k_rem < tl.sum(tl.where(bins == d, hist, 0), axis=0)).to(tl.int32)
+            k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
+            level = level * 0 + (24 - 8 * p)
 
-    # compaction in index order: key above T's decided bits, or equal to them among the first k_rem
-    t_hi = (prefix ^ int_min) >> level
+    t_hi = (prefix ^ INT_MIN) >> level
     n_sel = tl.zeros([], dtype=tl.int32)
     n_eq = tl.zeros([], dtype=tl.int32)
     for start in range(0, N, BLOCK):
         idx = start + offs
-        x = tl.load(src + idx, mask=idx < N, other=0.0)
-        bits = x.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == int_min, 0, bits)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        valid = (idx < length) & (x == x) & (x != float("-inf"))
-        hi = key >> level  # arithmetic shift: monotone in the signed key
-        eq = (valid & (hi == t_hi)).to(tl.int32)
-        eq_rank = n_eq + tl.cumsum(eq, axis=0) - 1
-        sel = (valid & (hi > t_hi)) | ((eq == 1) & (eq_rank < k_rem))
-        sel_i = sel.to(tl.int32)
-        pos = n_sel + tl.cumsum(sel_i, axis=0) - 1
-        tl.store(dst + pos, idx.to(tl.int64), mask=sel)
-        n_sel += tl.sum(sel_i, axis=0)
-        n_eq += tl.sum(eq, axis=0)
+        key, valid = _keys(src, idx, N, length)
+        n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq)
     for start in range(0, K, BLOCK):
         idx = start + offs
         tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
 
 
+def block_row_config(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the register-resident kernel for rows of n <= BLOCK_ROW_MAX entries."""
+    block = max(128, triton.next_power_of_2(n))
+    # H200, one row in a CUDA graph (bench_topk_select.py): 8 warps best for 1K-4K entries (4.6 / 12.3 us; 16 warps
+    # 6.0 / 15.6), 16 for 8K (23.5 us; 8 warps 27.8)
+    return block, 4 if block <= 512 else 8 if block <= 4096 else 16
+
+
 def topk_select_triton(
-    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, block: int = BLOCK, num_warps: int = NUM_WARPS
-) -> torch.Tensor:
-    """The op (contract in ``__init__.py``); ``block`` / ``num_warps`` are exposed for the benchmark's sweep."""
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, block: int = BLOCK,
+    num_warps: int = NUM_WARPS, block_row_max: int = BLOCK_ROW_MAX,
+) -> torch.Tensor:  # fmt: skip
+    """The op (contract in ``__init__.py``). Rows of at most ``block_row_max`` entries take the register-resident
+    kernel (its tiling from ``block_row_config``); ``block`` / ``num_warps`` tile the streaming kernel. All three
+    are exposed for the benchmark's sweep (``block_row_max=0`` forces the streaming kernel)."""
     s, n = scores.shape
     width = min(k, n)
     out = torch.empty(s, width, dtype=torch.int64, device=scores.device)
@@ -130,7 +201,11 @@ def topk_select_triton(
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     lens = lengths.contiguous() if lengths is not None else scores  # dummy pointer when absent
-    _topk_select_kernel[(s,)](
+    if n <= block_row_max:
+        kernel, (block, num_warps) = _topk_select_block_kernel, block_row_config(n)
+    else:
+        kernel = _topk_select_kernel
+    kernel[(s,)](
         scores, lens, out, n, width, scores.stride(0), out.stride(0),
         HAS_LEN=lengths is not None, BLOCK=block, num_warps=num_warps, **pdl_options(scores.device),
     )  # fmt: skip
