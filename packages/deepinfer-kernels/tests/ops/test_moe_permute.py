@@ -14,7 +14,7 @@ import torch
 from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
 from deepinfer_kernels.registry import reference
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
-from deepinfer_kernels.testing.triton_interpreter import run_interpreted_cases, triton_importable
+from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test, triton_importable
 
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
 
@@ -91,14 +91,13 @@ def _sort_cases(cases, device: str, seed: int) -> None:
     print("ok")
 
 
-@needs_triton
-def test_unpermute_and_sort_triton_interpreted():
-    sort_cases = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]
-    res = run_interpreted_cases(
+SORT_CASES = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]
+test_unpermute_and_sort_triton_interpreted = needs_triton(
+    interpreted_cases_test(
         __file__,
-        {"unpermute": ("_interp_unpermute", (5, 3, 1100)), "sort": ("_sort_cases", (sort_cases, "cpu", 1))},
+        {"unpermute": ("_interp_unpermute", (5, 3, 1100)), "sort": ("_sort_cases", (SORT_CASES, "cpu", 1))},
     )
-    assert not any(res.values()), res
+)
 
 
 @pytest.mark.gpu
