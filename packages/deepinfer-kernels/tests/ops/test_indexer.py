@@ -273,8 +273,9 @@ def _check_candidate_rows(scores, visible, block_size, top_blocks, mask):
 
 
 @pytest.mark.parametrize(
-    "n,block_size,top_blocks", [(29, 4, 3), (32, 8, 2), (13, 3, 1), (17, 1, 5), (8, 8, 4), (40, 4, 100)]
-)
+    "n,block_size,top_blocks",
+    [(29, 4, 3), (32, 8, 2), (13, 3, 1), (17, 1, 5), (8, 8, 4), (40, 4, 100), (40, 4, 10), (40, 4, 9)],
+)  # the last three: a budget above, at and one below the block count
 def test_candidate_block_mask_brute_force_continuous(n, block_size, top_blocks):
     g = torch.Generator().manual_seed(400 + n * 7 + block_size)
     b, s = 3, 12
@@ -286,7 +287,7 @@ def test_candidate_block_mask_brute_force_continuous(n, block_size, top_blocks):
     assert n_exact == b * s  # continuous scores: (almost) every row is checked exactly
 
 
-@pytest.mark.parametrize("n,block_size,top_blocks", [(24, 4, 2), (30, 4, 3), (16, 2, 1), (21, 5, 2)])
+@pytest.mark.parametrize("n,block_size,top_blocks", [(24, 4, 2), (30, 4, 3), (16, 2, 1), (21, 5, 2), (21, 5, 5)])
 def test_candidate_block_mask_brute_force_ties(n, block_size, top_blocks):
     g = torch.Generator().manual_seed(500 + n + block_size)
     b, s = 3, 16

@@ -96,8 +96,11 @@ def candidate_block_mask_ref(
     newest = torch.div(vis - 1, block_size, rounding_mode="floor")
     blocks = torch.arange(n_blocks, device=scores.device)
     block_scores = block_scores.masked_fill(blocks == newest.unsqueeze(-1), float("inf"))
-    values, picks = block_scores.topk(min(top_blocks, n_blocks), dim=-1, sorted=False)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, values > _NEG_INF)
+    if top_blocks >= n_blocks:  # the budget holds every block (V4.1 up to 16K entries): no ranking to do
+        keep = block_scores > _NEG_INF
+    else:
+        values, picks = block_scores.topk(top_blocks, dim=-1, sorted=False)
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, picks, values > _NEG_INF)
     per_position = keep.repeat_interleave(block_size, dim=-1)[..., :n]
     entry = torch.arange(n, device=scores.device)
     return per_position & (entry < vis.unsqueeze(-1))
