@@ -21,7 +21,9 @@ host-bound when the first exceeds the device's time.
 (first kernel start to last kernel end), busy time (the union of the kernels' intervals) and idle time, and the
 kernels grouped by name (the floor ratio's GPU-side view, without the host's planning). Kernels overlap (programmatic
 dependent launch, side streams), so each also gets its own time: what it adds to the span (``timeline_record``), and
-its stream (the profiler's device resource id of a kernel event), summed per stream.
+its stream (the profiler's device resource id of a kernel event), summed per stream. In a graph replay these are
+the graph's own streams, which the driver assigns to its concurrent branches (session 14's V4.1 batch-1 step used
+eleven): they show which kernels ran beside which, not which ``SideStream`` lane enqueued them.
 """
 
 from __future__ import annotations

@@ -136,6 +136,12 @@ GATHER_SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_N_SWIGLU, BLOCK_K, num_warps, num_s
     (64, 128, 32, 64, 4, 4),
     (64, 128, 64, 64, 4, 6),
     (64, 64, 64, 64, 4, 4),
+    # one live row per tile: smaller BLOCK_M frees shared memory for more stages / resident programs
+    (16, 128, 64, 64, 4, 4),
+    (16, 128, 64, 64, 4, 6),
+    (16, 64, 64, 64, 4, 6),
+    (16, 256, 64, 64, 8, 4),
+    (32, 128, 64, 64, 4, 5),
 ]
 GROUPED_SWEEP = [  # the wide contiguous tiling (4096 tokens)
     (128, 256, 128, 64, 8, 4),
