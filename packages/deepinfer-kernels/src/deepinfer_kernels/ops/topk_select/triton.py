@@ -13,7 +13,7 @@ One program per row:
    entries inside it (lower index wins: the contract's tie rule), at their running prefix count, so
    the output is ascending without a sort; then -1 fills the rest of the row.
 
-Two kernels share these steps (``_keys``, ``_digit_hist``, ``_narrow``, ``_compact``):
+Two kernels share these steps (``_keys``, ``_in_bucket``, ``_digit_hist``, ``_narrow``, ``_compact``):
 
 * ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
   ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers. At small
@@ -53,14 +53,19 @@ def _keys(src, idx, N, length):
 
 
 @triton.jit
-def _digit_hist(key, in_row, prefix, shift, FIRST: tl.constexpr):
-    """Histogram (256 bins) of the 8-bit digit at ``shift`` of the unsigned-order keys whose higher digits equal
-    ``prefix``'s (every entry of the row in the first pass)."""
-    u = key ^ INT_MIN  # unsigned order as a bit pattern
-    digit = (u >> shift) & 0xFF
+def _in_bucket(key, in_row, prefix, shift, FIRST: tl.constexpr):
+    """The entries a pass at digit ``shift`` counts: those whose unsigned-order key has the higher digits decided so
+    far (``prefix``), every entry of the row in the first pass."""
     match = in_row
     if not FIRST:
-        match = in_row & (((u ^ prefix) >> (shift + 8)) == 0)
+        match = in_row & ((((key ^ INT_MIN) ^ prefix) >> (shift + 8)) == 0)
+    return match
+
+
+@triton.jit
+def _digit_hist(key, match, shift):
+    """Histogram (256 bins) of the 8-bit digit at ``shift`` of the unsigned-order keys at ``match``."""
+    digit = ((key ^ INT_MIN) >> shift) & 0xFF  # key ^ INT_MIN: the unsigned order as a bit pattern
     return tl.histogram(digit, 256, mask=match)
 
 
@@ -117,7 +122,7 @@ def _topk_select_block_kernel(
     go = tl.full([], 1, dtype=tl.int32)
     for p in tl.static_range(4):
         if go != 0:
-            hist = _digit_hist(key, in_row, prefix, 24 - 8 * p, p == 0)
+            hist = _digit_hist(key, _in_bucket(key, in_row, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
             k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
             level = level * 0 + (24 - 8 * p)
     zero = tl.zeros([], dtype=tl.int32)
@@ -152,12 +157,11 @@ def _topk_select_kernel(
                 key, valid = _keys(src, idx, N, length)
                 if p == 0:
                     n_valid += tl.sum(valid.to(tl.int32), axis=0)
-                    hist += _digit_hist(key, idx < N, prefix, 24, True)
+                    hist += _digit_hist(key, idx < N, 24)
                 else:
-                    u = key ^ INT_MIN
-                    in_bucket = (idx < N) & (((u ^ prefix) >> (24 - 8 * p + 8)) == 0)
-                    if tl.sum(in_bucket.to(tl.int32), axis=0) > 0:  # later passes: most chunks miss the bucket
-                        hist += _digit_hist(key, idx < N, prefix, 24 - 8 * p, False)
+                    match = _in_bucket(key, idx < N, prefix, 24 - 8 * p, False)
+                    if tl.sum(match.to(tl.int32), axis=0) > 0:  # later passes: most chunks miss the bucket
+                        hist += _digit_hist(key, match, 24 - 8 * p)
             if p == 0:
                 k_rem = tl.minimum(K, n_valid)
             k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
