@@ -7,10 +7,12 @@ from deepinfer_kernels.ops.mhc import (
     MhcParams,
     mhc_coefficients,
     mhc_collapse,
+    mhc_collapse_rms_norm,
     mhc_expand,
     mhc_head_weights,
     mhc_initial_pre_mix,
     mhc_lagged_layer,
+    mhc_lagged_site,
     mhc_same_site_sublayer,
 )
 from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_mlp
@@ -104,7 +106,7 @@ def _cfg(hc_eps=1e-6, norm_eps=1e-6, iters=20) -> MhcConfig:
 
 def test_references_registered():
     ops = list_ops()
-    for name in ("mhc_coefficients", "mhc_collapse", "mhc_expand", "mhc_head_weights"):
+    for name in ("mhc_coefficients", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_expand", "mhc_head_weights"):
         assert name in ops
 
 
@@ -355,6 +357,30 @@ def test_bf16_streams_keep_dtype_and_track_fp32():
     pre32, post32, comb32 = mhc_coefficients(x16.float(), params, cfg)
     assert_rel_close(u, mhc_collapse(x16.float(), pre32), 1e-2, "collapse bf16")
     assert_rel_close(out, mhc_expand(x16.float(), y.float(), post32, comb32), 1e-2, "expand bf16")
+
+
+@torch.no_grad()
+def test_collapse_rms_norm_is_the_two_ops_and_the_sublayers_norm_argument():
+    g = _gen(11)
+    params, cfg = _random_params(g), _cfg()
+    x = _randn(g, T, N, D).bfloat16()
+    w, gain = torch.rand(T, N, generator=g) + 0.1, torch.rand(D, generator=g) + 0.5
+    fused = mhc_collapse_rms_norm(x, w, gain, 1e-6)
+    assert fused.dtype == torch.bfloat16
+    assert torch.equal(fused, rms_norm(mhc_collapse(x, w), gain, 1e-6))
+
+    def f(u):
+        return torch.tanh(u.float()).to(u.dtype)
+
+    same = mhc_same_site_sublayer(x, lambda u: f(rms_norm(u, gain, 1e-6)), params, cfg)
+    assert torch.equal(mhc_same_site_sublayer(x, f, params, cfg, norm=(gain, 1e-6)), same)
+    lagged, p = mhc_lagged_site(x, w, lambda u: f(rms_norm(u, gain, 1e-6)), params, cfg)
+    lagged_n, p_n = mhc_lagged_site(x, w, f, params, cfg, norm=(gain, 1e-6))
+    assert torch.equal(lagged_n, lagged) and torch.equal(p_n, p)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mhc_collapse_rms_norm(x, w, gain[:-1], 1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        mhc_collapse_rms_norm(x, w[:, :-1], gain, 1e-6)
 
 
 def test_empty_and_bad_shapes():

@@ -21,17 +21,20 @@ from deepinfer_kernels.ops.mhc.reference import (  # noqa: E402
 from deepinfer_kernels.ops.mhc.triton import (  # noqa: E402
     mhc_coefficients_triton,
     mhc_coefficients_triton_adaptive,
+    mhc_collapse_rms_norm_triton,
     mhc_collapse_triton,
     mhc_expand_triton,
     mhc_head_weights_triton,
     mhc_head_weights_triton_adaptive,
 )
+from deepinfer_kernels.ops.rms_norm.reference import rms_norm_ref  # noqa: E402
+from deepinfer_kernels.ops.rms_norm.triton import rms_norm_triton  # noqa: E402
 from deepinfer_kernels.registry import list_ops, resolve, set_batch_invariant  # noqa: E402
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  # noqa: E402
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 COEF_TOL = 1e-5  # fp32 coefficients, bf16 or fp32 streams
-OPS = ("mhc_coefficients", "mhc_head_weights", "mhc_collapse", "mhc_expand")
+OPS = ("mhc_coefficients", "mhc_head_weights", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_expand")
 
 
 def _inputs(t: int, n: int, d: int, dtype: torch.dtype, device: str, seed: int):
@@ -85,7 +88,14 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
             assert_rel_close(a, e, COEF_TOL, f"{name} {what} {coef.__name__}")
         assert_rel_close(head_w(x, *head, norm_eps, hc_eps), h_ref, COEF_TOL, f"head {what} {head_w.__name__}")
     pre, post, comb = ref  # the same weights for both sides: only the contraction is under test
-    _assert_stream_close(mhc_collapse_triton(x, pre), mhc_collapse_ref(x, pre), f"collapse {what}", min_equal)
+    u = mhc_collapse_triton(x, pre)
+    _assert_stream_close(u, mhc_collapse_ref(x, pre), f"collapse {what}", min_equal)
+    g = 0.5 + torch.rand(x.shape[2], device=x.device)
+    fused = mhc_collapse_rms_norm_triton(x, pre, g, norm_eps)
+    # against the reference norm of the collapse just checked (under the interpreter each cast truncates once)
+    _assert_stream_close(fused, rms_norm_ref(u, g, norm_eps), f"collapse+norm {what}", min_equal)
+    if x.dtype == torch.bfloat16:  # the models' streams: the two kernels' bits (fp32 streams: fp32 rounding)
+        assert_bitwise(fused, rms_norm_triton(u, g, norm_eps), f"collapse+norm vs the two kernels {what}")
     out = mhc_expand_triton(x, y, post, comb)
     _assert_stream_close(out, mhc_expand_ref(x, y, post, comb), f"expand {what}", min_equal)
 
@@ -97,6 +107,8 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
     h_full = mhc_head_weights_triton(x, *head, *eps[:2])
     if streams:
         u_full = mhc_collapse_triton(x, full[0])
+        g = 0.5 + torch.rand(x.shape[2], device=x.device)
+        n_full = mhc_collapse_rms_norm_triton(x, full[0], g, eps[0])
         o_full = mhc_expand_triton(x, y, full[1], full[2])
     t = x.shape[0]
     for r in rows:
@@ -110,6 +122,8 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
             assert_bitwise(mhc_head_weights_triton(x[sl].clone(), *head, *eps[:2])[i], h_full[r], f"head {r}/{size}")
             if streams:
                 assert_bitwise(mhc_collapse_triton(x[sl].clone(), full[0][sl])[i], u_full[r], f"collapse {r}/{size}")
+                normed = mhc_collapse_rms_norm_triton(x[sl].clone(), full[0][sl], g, eps[0])
+                assert_bitwise(normed[i], n_full[r], f"collapse+norm {r}/{size}")
                 o = mhc_expand_triton(x[sl].clone(), y[sl].clone(), full[1][sl], full[2][sl])
                 assert_bitwise(o[i], o_full[r], f"expand {r}/{size}")
 
@@ -147,6 +161,21 @@ INTERP_CASES = {
     )
 }
 INTERP_CASES["batch-invariant"] = ("_interp_batch_invariant", ())
+
+
+def _interp_collapse_rms_norm_chunks() -> None:
+    """Rows longer than rms_norm's widest chunk: the fused kernel's two-pass path, against the two kernels."""
+    import deepinfer_kernels.ops.rms_norm.triton as norm_triton
+
+    norm_triton.MAX_BLOCK = 64  # read at call time: d = 300 becomes five chunks, the last ragged
+    x, _, _, _ = _inputs(3, 4, 300, torch.bfloat16, "cpu", seed=11)
+    w, g = torch.rand(3, 4) + 0.1, torch.rand(300) + 0.5
+    fused = mhc_collapse_rms_norm_triton(x, w, g, 1e-6)
+    assert_bitwise(fused, rms_norm_triton(mhc_collapse_triton(x, w), g, 1e-6), "collapse+norm, five chunks")
+    _assert_stream_close(fused, rms_norm_ref(mhc_collapse_triton(x, w), g, 1e-6), "collapse+norm vs reference", 0.0)
+
+
+INTERP_CASES["collapse-rms-norm-chunks"] = ("_interp_collapse_rms_norm_chunks", ())
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -188,6 +217,7 @@ def test_gpu_registry_and_sublayer(monkeypatch):
     assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton_adaptive
     assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton_adaptive
     assert resolve("mhc_collapse", "cuda") is mhc_collapse_triton
+    assert resolve("mhc_collapse_rms_norm", "cuda") is mhc_collapse_rms_norm_triton
     assert resolve("mhc_expand", "cuda") is mhc_expand_triton
     set_batch_invariant(True)
     try:

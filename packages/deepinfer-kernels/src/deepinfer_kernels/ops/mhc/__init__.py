@@ -108,6 +108,29 @@ def mhc_collapse(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return dispatch("mhc_collapse", x.device, x, weights)
 
 
+def mhc_collapse_rms_norm(
+    x: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """A site's sublayer input in one op: ``rms_norm(mhc_collapse(x, weights), norm_weight, eps)``, with the same
+    rounding (the collapsed row is cast to x.dtype before its statistics, as the two ops in a row do; the reference
+    is that composition, the Triton backend gives its bits for bf16 streams and agrees to fp32 rounding for fp32
+    ones). At decode sizes both are latency-bound one-row programs; fused, the chain loses a launch per site.
+
+    Args:
+        x: [T, n, d] streams; weights: [T, n] (as ``mhc_collapse``); norm_weight: [d] (applied in fp32);
+        eps: the RMSNorm epsilon.
+
+    Returns:
+        [T, d] in x.dtype.
+    """
+    t, n, d = _check_streams(x, "mhc_collapse_rms_norm")
+    if tuple(weights.shape) != (t, n):
+        raise ValueError(f"mhc_collapse_rms_norm: weights {tuple(weights.shape)} != ({t}, {n})")
+    if tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"mhc_collapse_rms_norm: norm_weight {tuple(norm_weight.shape)} != ({d},)")
+    return dispatch("mhc_collapse_rms_norm", x.device, x, weights, norm_weight, float(eps))
+
+
 def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * x[:, j], computed in fp32.
 
@@ -165,20 +188,26 @@ def mhc_initial_pre_mix(num_tokens: int, hc_mult: int, device: torch.device | st
     return pre_mix
 
 
+def _sublayer_input(x: torch.Tensor, weights: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    return mhc_collapse(x, weights) if norm is None else mhc_collapse_rms_norm(x, weights, *norm)
+
+
 def mhc_same_site_sublayer(
     x: torch.Tensor,
     f: Callable[[torch.Tensor], torch.Tensor],
     params: MhcParams,
     cfg: MhcConfig,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """One V4 sublayer (attention or MoE) wrapped by its own mHC site (spec A.2):
 
     (pre, post, comb) = coefficients(x); y = f(collapse(x, pre)); return expand(x, y, post, comb).
-    ``f`` maps [T, d] -> [T, d] and includes the sublayer's own RMSNorm. A V4 block is two calls,
-    attention then MoE, each with its own params.
+    ``f`` maps [T, d] -> [T, d] and includes the sublayer's own RMSNorm, unless ``norm`` = (weight [d], eps)
+    gives it: f then receives rms_norm(collapse(x, pre)), made by ``mhc_collapse_rms_norm``. A V4 block is two
+    calls, attention then MoE, each with its own params.
     """
     pre, post, comb = mhc_coefficients(x, params, cfg)
-    y = f(mhc_collapse(x, pre))
+    y = f(_sublayer_input(x, pre, norm))
     return mhc_expand(x, y, post, comb)
 
 
@@ -217,11 +246,13 @@ def mhc_lagged_site(
     f: Callable[[torch.Tensor], torch.Tensor],
     params: MhcParams,
     cfg: MhcConfig,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One site of ``mhc_lagged_layer``: (p, q, C) = coefficients(x; params); y = f(collapse(x, pre_mix));
-    returns (expand(x, y, q, C), p): the streams and the pre the NEXT site collapses with."""
+    returns (expand(x, y, q, C), p): the streams and the pre the NEXT site collapses with. ``norm`` as in
+    ``mhc_same_site_sublayer``."""
     p, q, c = mhc_coefficients(x, params, cfg)
-    return mhc_expand(x, f(mhc_collapse(x, pre_mix)), q, c), p
+    return mhc_expand(x, f(_sublayer_input(x, pre_mix, norm)), q, c), p
 
 
 try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)
@@ -234,6 +265,7 @@ __all__ = [
     "MhcParams",
     "mhc_coefficients",
     "mhc_collapse",
+    "mhc_collapse_rms_norm",
     "mhc_expand",
     "mhc_head_weights",
     "mhc_initial_pre_mix",

@@ -16,6 +16,7 @@ import torch
 from deepinfer_kernels.ops._elementwise import sigmoid
 from deepinfer_kernels.ops._reduce import row_mean
 from deepinfer_kernels.ops.linear.reference import linear_ref
+from deepinfer_kernels.ops.rms_norm.reference import rms_norm_ref
 from deepinfer_kernels.registry import register_reference
 
 
@@ -60,6 +61,11 @@ def mhc_coefficients_ref(
 @register_reference("mhc_collapse")
 def mhc_collapse_ref(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights.float().unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+
+
+@register_reference("mhc_collapse_rms_norm")
+def mhc_collapse_rms_norm_ref(x: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    return rms_norm_ref(mhc_collapse_ref(x, weights), norm_weight, eps)
 
 
 @register_reference("mhc_expand")

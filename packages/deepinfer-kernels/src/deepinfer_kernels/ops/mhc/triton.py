@@ -30,7 +30,8 @@ tokens with tilings for their size (shorter chunks and token tiles, ``ADAPTIVE_M
 on which tier T falls in, so it is not registered batch-invariant.
 
 ``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
-store; purely elementwise per token, hence batch-invariant too.
+store; purely elementwise per token, hence batch-invariant too. ``mhc_collapse_rms_norm``: one program per token,
+the collapse then the RMSNorm with ``rms_norm``'s tiling (for bf16 streams bitwise the two ops in a row).
 
 Importing this module registers the backends; it needs triton (the op's ``__init__`` guards the import).
 CPU tensors run in Triton's interpreter when TRITON_INTERPRET=1 (tests only; registered for "cuda").
@@ -42,6 +43,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops.rms_norm.triton import inv_rms, norm_config
 from deepinfer_kernels.registry import register_backend
 
 # Mixes: K columns per split (fixes each token's reduction order), tokens and columns per program step. Chosen
@@ -181,6 +183,50 @@ def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.cons
 
 
 @triton.jit
+def _collapsed(x_ptr, w_ptr, t, D, cols, N: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """sum_j w[t, j] * x[t, j, cols] in fp32 (j in order, as ``_collapse_kernel``), rounded to OUT_DTYPE and read
+    back as fp32; 0 past D."""
+    ok = cols < D
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in tl.static_range(N):
+        w = tl.load(w_ptr + t * N + j).to(tl.float32)
+        acc += w * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    return acc.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _collapse_rms_norm_kernel(
+    x_ptr, w_ptr, g_ptr, out_ptr, D, eps, N: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False
+):  # fmt: skip
+    """One token: u = the collapse rounded to the output dtype, then ``_rms_norm_kernel``'s arithmetic over u (the
+    same BLOCK / warps). For bf16 streams that is bitwise the two kernels in a row (the GPU tests check it at T = 1
+    to 4096, d = 4096 / 5120); fp32 streams agree to fp32 rounding (some rows' statistics differ by an ulp: the
+    sum's register layout follows the loads, which differ). ONE_CHUNK (D <= BLOCK) keeps u in registers; longer
+    rows collapse each chunk again for the second pass (the same bits)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    out_dtype = out_ptr.dtype.element_ty
+    if ONE_CHUNK:
+        u = _collapsed(x_ptr, w_ptr, t, D, cols, N, out_dtype)
+        inv = inv_rms(tl.sum(u * u, axis=0), D, eps)
+        y = u * inv * tl.load(g_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + cols, y.to(out_dtype), mask=cols < D)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            u = _collapsed(x_ptr, w_ptr, t, D, start + cols, N, out_dtype)
+            acc += u * u
+        inv = inv_rms(tl.sum(acc, axis=0), D, eps)
+        for start in range(0, D, BLOCK):
+            c = start + cols
+            u = _collapsed(x_ptr, w_ptr, t, D, c, N, out_dtype)
+            y = u * inv * tl.load(g_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * D + c, y.to(out_dtype), mask=c < D)
+
+
+@triton.jit
 def _expand_kernel(
     x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False
@@ -310,6 +356,22 @@ def mhc_collapse_triton(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def mhc_collapse_rms_norm_triton(
+    x: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    require_same_device(x, weights, norm_weight)
+    t, n, d = x.shape
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block, warps = norm_config(d)  # rms_norm's: the same reduction tree
+    _collapse_rms_norm_kernel[(t,)](
+        x.contiguous(), weights.contiguous(), norm_weight.contiguous(), out, d, float(eps),
+        N=n, BLOCK=block, ONE_CHUNK=d <= block, num_warps=warps, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
+
+
 def mhc_expand_triton(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     require_same_device(x, y, post, comb)
     t, n, d = x.shape
@@ -339,6 +401,7 @@ for _op, _fn in (
     ("mhc_coefficients", mhc_coefficients_triton),
     ("mhc_head_weights", mhc_head_weights_triton),
     ("mhc_collapse", mhc_collapse_triton),
+    ("mhc_collapse_rms_norm", mhc_collapse_rms_norm_triton),
     ("mhc_expand", mhc_expand_triton),
 ):
     register_backend(
