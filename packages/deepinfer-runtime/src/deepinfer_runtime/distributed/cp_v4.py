@@ -27,6 +27,7 @@ from deepinfer_runtime.distributed.cp_comm import gather_in_order
 from deepinfer_runtime.models.deepseek_v4 import Attention
 from deepinfer_runtime.models.deepseek_v4_cache import LayerCache, SequenceCache
 from deepinfer_runtime.models.deepseek_v4_config import CSA, SLIDING
+from deepinfer_runtime.models.layers import embed_streams
 
 
 def _attention(
@@ -76,14 +77,17 @@ def cp_prefill_v4(
     dev = model.embed.weight.device
     pos = owned[cp_rank].to(dev)
     my_ids = ids.to(dev)[pos]
-    x = model.embed.weight[my_ids][:, None, :].expand(-1, model.cfg.hc_mult, -1).contiguous()
+    x = embed_streams(model.embed.weight, my_ids, model.cfg.hc_mult)
     for i, block in enumerate(model.layers):
         layer_cache = cache.layers[i]
         x = mhc_same_site_sublayer(
             x,
-            lambda u, b=block, c=layer_cache: _attention(b.attn, b.attn_norm(u), pos, owned, c, group),
+            lambda u, b=block, c=layer_cache: _attention(b.attn, u, pos, owned, c, group),
             block.mhc("attn"),
             block.hc,
+            norm=block.attn_norm.fused,
         )
-        x = mhc_same_site_sublayer(x, lambda u, b=block: b.ffn(b.ffn_norm(u), my_ids), block.mhc("ffn"), block.hc)
+        x = mhc_same_site_sublayer(
+            x, lambda u, b=block: b.ffn(u, my_ids), block.mhc("ffn"), block.hc, norm=block.ffn_norm.fused
+        )
     cache.seq_len += ids.shape[0]

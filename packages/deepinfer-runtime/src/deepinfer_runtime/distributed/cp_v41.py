@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from deepinfer_kernels import engram_next_history, mhc_collapse, mhc_initial_pre_mix
+from deepinfer_kernels import engram_next_history, mhc_initial_pre_mix
 
 from deepinfer_runtime.distributed.cp_comm import gather_in_order
 from deepinfer_runtime.models.deepseek_v41 import Attention, V41SequenceCache
+from deepinfer_runtime.models.layers import embed_streams
 
 
 def _attention(
@@ -71,7 +72,7 @@ def cp_prefill_v41(
     pos = owned[cp_rank]
     floor = max(prompt_len - model.yoco_keep, 0) if model.yoco_mode != "off" else None
     engram = {layer: e[pos] for layer, e in model.engram_ids(ids, None).items()}  # hashes need the n-gram context
-    x = model.embed.weight[ids[pos]][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+    x = embed_streams(model.embed.weight, ids[pos], cfg.hc_mult)
     pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
     shared: dict = {}
     taps: dict[int, torch.Tensor] = {}
@@ -81,7 +82,7 @@ def cp_prefill_v41(
         comp = None
         if layer == cfg.n_prefill_layer and model.yoco_mode == "compact" and floor:
             # boundary: its compressor reads every row; the decoder runs on rows at or after the floor only
-            comp_in = gather_in_order(block.attn_norm(mhc_collapse(x, pre_mix)), owned, group)
+            comp_in = gather_in_order(block.attn_norm.collapse(x, pre_mix), owned, group)
             comp = (comp_in, torch.cat(owned).sort().values)
             kept = pos >= floor
             x, pre_mix = x[kept], pre_mix[kept]

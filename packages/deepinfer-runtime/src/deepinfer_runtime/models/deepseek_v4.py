@@ -63,6 +63,7 @@ from deepinfer_runtime.models.layers import (
     SharedExpert,
     draft_block_inputs,
     draft_block_key_ids,
+    embed_streams,
     param,
     project,
     routed_plus_shared,
@@ -285,18 +286,21 @@ class Attention(nn.Module):
         side = SideStream.of(x.device)
         key = ("comp", self.layer)
         # beside the query path, what nothing on it reads before the join: the compressors (ring writes, entry
-        # stores) and the window's latents with their ring write and row table
+        # stores) and the window's latents with their ring write and row table. The index keys' compressor takes
+        # a lane of its own: the index scores wait for it alone, not for the attention's compressor and window
+        # (at batch 1 the three in a row outlast the query path by about 15 us).
         with side.branch():
             if self.kind != SLIDING:
                 self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
-                if self.kind == CSA:
-                    c = self.indexer.compressor
-                    c.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
             kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
+        if self.kind == CSA:
+            index_side = SideStream.of(x.device, "index")
+            with index_side.branch():
+                self.indexer.compressor.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
         qr, q = self.query(x, pos, xa=proj[0])
         if self.kind != SLIDING:
-            if self.kind == CSA:  # (joins before its index scores)
-                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, side)
+            if self.kind == CSA:  # (joins its lane before the index scores)
+                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, index_side)
             else:  # HCA: every complete window is visible
                 ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
                 picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)
@@ -373,7 +377,7 @@ class Block(MhcBlock):
 
     def run_block(self, x, input_ids, attn_fn):
         """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
-        x = mhc_same_site_sublayer(x, lambda u: attn_fn(self.attn_norm(u)), self.mhc("attn"), self.hc)
+        x = mhc_same_site_sublayer(x, attn_fn, self.mhc("attn"), self.hc, norm=self.attn_norm.fused)
         if self.graphs is not None and self.graphs.applies(x):
             return self.graphs.run(self, self.ffn_sublayer, x, input_ids)
         return self.ffn_sublayer(x, input_ids)
@@ -381,7 +385,9 @@ class Block(MhcBlock):
     def ffn_sublayer(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The FFN site: streams x [T, n, d] and the tokens [T] (hash routing) -> streams [T, n, d]. Static shapes
         and no host reads: CUDA-graph safe."""
-        return mhc_same_site_sublayer(x, lambda u: self.ffn(self.ffn_norm(u), input_ids), self.mhc("ffn"), self.hc)
+        return mhc_same_site_sublayer(
+            x, lambda u: self.ffn(u, input_ids), self.mhc("ffn"), self.hc, norm=self.ffn_norm.fused
+        )
 
 
 class MTPLayer(Block):
@@ -604,8 +610,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             return batch.per_request(logits, logit_rows)
         starts = [c.seq_len for c in caches]
         positions = [torch.arange(s, s + ch.shape[0], device=dev) for s, ch in zip(starts, chunks)]
-        x = self.embed.weight[ids]
-        x = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        x = embed_streams(self.embed.weight, ids, self.cfg.hc_mult)
         taps = {} if self.draft_method == "dspark" else None
         for i, layer in enumerate(self.layers):
             if taps is not None and i in self.cfg.dspark.target_layer_ids:
@@ -669,7 +674,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _decode_rows(self, batch: DecodeBatch, ids: torch.Tensor) -> torch.Tensor:
         """The device work of a planned decode step (static shapes, no host reads): ids [rows] -> logits [rows, V];
         replayed from a CUDA graph where ``enable_cuda_graphs`` was called (``DecodeBatch.run``)."""
-        x = self.embed.weight[ids][:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        x = embed_streams(self.embed.weight, ids, self.cfg.hc_mult)
         for layer in self.layers:
             x = layer.decode(x, ids, batch)
         hc = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)

@@ -72,6 +72,7 @@ from deepinfer_runtime.models.layers import (
     SharedExpert,
     draft_block_inputs,
     draft_block_key_ids,
+    embed_streams,
     param,
     project,
     routed_plus_shared,
@@ -544,7 +545,8 @@ class Attention(nn.Module):
         proj = project(x, *self.projections())
         side = SideStream.of(x.device)
         # beside the query path, what nothing on it reads before the join: the compressor (ring writes, entry
-        # pools) and the window's latents with their ring write and row table
+        # pools) and the window's latents with their ring write and row table (the window on a lane of its own, for
+        # the index scores to wait on the compressor alone as V4's do, measured no faster in session 15)
         with side.branch():
             if self.kv_source == self.layer:
                 self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
@@ -658,7 +660,7 @@ class Block(MhcBlock):
     def run(self, x, pre_mix, attn_fn):
         """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]. The two sites of
         ``mhc_lagged_layer``, the FFN one through ``ffn_site``."""
-        x, pre = self.lagged_site(x, pre_mix, lambda u: attn_fn(self.attn_norm(u)), "attn")
+        x, pre = self.lagged_site(x, pre_mix, attn_fn, "attn", self.attn_norm)
         if self.graphs is not None and self.graphs.applies(x):
             return self.graphs.run(self, self.ffn_site, x, pre)
         return self.ffn_site(x, pre)
@@ -666,16 +668,17 @@ class Block(MhcBlock):
     def ffn_site(self, x: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams x [T, n, d] and the attention site's pre [T, n] -> (streams, the next layer's pre_mix). Static
         shapes and no host reads: CUDA-graph safe."""
-        return self.lagged_site(x, pre, lambda u: self.ffn(self.ffn_norm(u)), "ffn")
+        return self.lagged_site(x, pre, self.ffn, "ffn", self.ffn_norm)
 
-    def lagged_site(self, x, pre_mix, f, site: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mhc_lagged_site(x, pre_mix, f, self.mhc(site), self.hc)`` (the same ops, the same bits) with the site's
-        coefficients on the side stream: they depend on x alone, and only the expand and the next site read them,
-        so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before it."""
+    def lagged_site(self, x, pre_mix, f, site: str, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mhc_lagged_site(x, pre_mix, f, self.mhc(site), self.hc, norm.fused)`` (the same ops, the same bits)
+        with the site's coefficients on the side stream: they depend on x alone, and only the expand and the next
+        site read them, so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before
+        it. ``f`` takes the normed collapse."""
         side = SideStream.of(x.device)
         with side.branch():
             p, q, c = mhc_coefficients(x, self.mhc(site), self.hc)
-        y = f(mhc_collapse(x, pre_mix))
+        y = f(norm.collapse(x, pre_mix))
         side.join()
         return mhc_expand(x, y, q, c), p
 
@@ -869,8 +872,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Final collapse with the last FFN pre, norm, fp32 head: [T, V]."""
-        h = self.norm(mhc_collapse(x, pre_mix))
-        return linear(h, self.head.weight, out_dtype=torch.float32)
+        return linear(self.norm.collapse(x, pre_mix), self.head.weight, out_dtype=torch.float32)
 
     def dspark_feature(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Stream means entering the tap layers [T, d] each -> main_norm(main_proj(concat)) [T, d]."""
@@ -930,7 +932,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 f"input contains image tokens (id {cfg.image_token_id}): this model has no vision tower loaded"
             )
         engram = [self.engram_ids(chunk.to(dev), st.cache.engram_history) for chunk, st in zip(chunks, steps)]
-        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        x = embed_streams(self.embed.weight, ids, cfg.hc_mult)
         pre_mix = mhc_initial_pre_mix(x.shape[0], cfg.hc_mult, dev)
         shared = [dict() for _ in steps]
         taps: dict[int, torch.Tensor] = {}
@@ -941,7 +943,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             layer = block.layer
             if layer == cfg.n_prefill_layer and self.yoco_mode == "compact" and any(st.yoco_floor for st in steps):
                 # the boundary layer's compressor reads every row; everything else runs on kept rows only
-                comp_inputs, comp_rows = block.attn_norm(mhc_collapse(x, pre_mix)), steps
+                comp_inputs, comp_rows = block.attn_norm.collapse(x, pre_mix), steps
                 keep, steps, where = _kept_rows(steps, dev)
                 x, pre_mix = x[keep], pre_mix[keep]
             if hasattr(block, "engram"):
@@ -1040,7 +1042,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         lookback of each request is read from and written back to its slot; the DSpark context keys go to their
         rings."""
         cfg, rows, slots = self.cfg, batch.rows, batch["slots"]
-        x = self.embed.weight[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        x = embed_streams(self.embed.weight, ids, cfg.hc_mult)
         pre_mix = mhc_initial_pre_mix(rows, cfg.hc_mult, ids.device)
         compressed = self.engram_token_map[ids][:, None]
         history = batch.buffers[("engram",)][slots].view(rows, -1) if cfg.engram_layer_ids else None

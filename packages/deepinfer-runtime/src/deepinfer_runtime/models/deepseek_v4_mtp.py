@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from deepinfer_kernels import linear, mhc_collapse, mhc_head_weights
+from deepinfer_kernels import linear, mhc_head_weights
 
 from deepinfer_runtime.models.deepseek_v4_config import DeepseekV4Config
 from deepinfer_runtime.models.layers import Linear, Norm
@@ -38,7 +38,7 @@ def head_logits(x: torch.Tensor, hc: tuple, norm: Norm, head: Linear, cfg: Deeps
     """Streams x [T, n, d] -> fp32 logits [T, V]: mHC head collapse (``hc`` = fn, base, scale), final norm, LM head
     in fp32. Shared by the backbone and the MTP layers."""
     pre = mhc_head_weights(x, *hc, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
-    return linear(norm(mhc_collapse(x, pre)), head.weight, out_dtype=torch.float32)
+    return linear(norm.collapse(x, pre), head.weight, out_dtype=torch.float32)
 
 
 MTP_WINDOW, MTP_STREAMS = ("mtp", "window"), ("mtp", "streams")  # slot keys of the two rings (``v4_slot_specs``)

@@ -23,6 +23,7 @@ from deepinfer_kernels import (
     fp8_gemm_nt,
     linear,
     linear_many,
+    mhc_collapse_rms_norm,
     moe_experts,
     rms_norm,
     rms_norm_rope,
@@ -113,10 +114,26 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    @property
+    def fused(self) -> tuple[torch.Tensor, float]:
+        """(weight, eps): the ``norm`` argument of the mHC sublayer ops, which make this norm of a site's collapse
+        in the collapse's kernel (``mhc_collapse_rms_norm``)."""
+        return self.weight, self.eps
+
+    def collapse(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This norm of ``mhc_collapse(x, weights)`` in one op (the same bits for bf16 streams): [T, n, d] -> [T, d]."""
+        return mhc_collapse_rms_norm(x, weights, self.weight, self.eps)
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """RoPE on the trailing channels of this norm's output, in one op: bitwise ``rope_interleaved(self(x),
         positions, inv_freq)``; a new tensor."""
         return rms_norm_rope(x, self.weight, self.eps, positions, inv_freq)
+
+
+def embed_streams(weight: torch.Tensor, ids: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """Token ids [T] -> the residual streams [T, hc_mult, d]: each token's embedding row in every stream, made by
+    one gather (a [T, hc_mult] index) rather than a gather and an expanding copy."""
+    return weight[ids[:, None].expand(-1, hc_mult)]
 
 
 def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -132,7 +149,7 @@ def draft_block_inputs(anchor: int, cache, block_size: int, noise_token_id: int,
     pos = torch.arange(a, a + block_size, device=embed.device)
     ids = torch.full((block_size,), noise_token_id, dtype=torch.long, device=embed.device)
     ids[0] = anchor
-    return pos, ids, embed[ids][:, None, :].expand(-1, hc_mult, -1).contiguous()
+    return pos, ids, embed_streams(embed, ids, hc_mult)
 
 
 def draft_block_key_ids(window: int, num_ctx: int, block: int, device: torch.device) -> torch.Tensor:
