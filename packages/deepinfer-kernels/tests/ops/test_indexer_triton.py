@@ -2,14 +2,18 @@
 shapes, and on CUDA at V4.1-Flash shapes (32 indexer heads x 128) plus bitwise invariance in the
 number of queries and of keys; indexer_scores_paged (keys read through block tables) bitwise equal to the dense
 kernel over the gathered keys. indexer_topk (radix select) vs the reference: the same index sets on
-random scores (no ties), with visible lengths and a candidate mask."""
+random scores (no ties), with visible lengths and a candidate mask. candidate_block_mask: the reference's mask
+exactly on continuous scores (NaN and -inf entries, rows with nothing visible, a budget above, at and below the block
+count), and with tied block scores the same number of kept blocks of the same scores."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from deepinfer_kernels.ops.indexer.candidate_triton import candidate_block_mask_triton  # noqa: E402
 from deepinfer_kernels.ops.indexer.reference import (  # noqa: E402
+    candidate_block_mask_ref,
     indexer_scores_paged_ref,
     indexer_scores_ref,
     indexer_topk_ref,
@@ -114,6 +118,52 @@ INTERP_CASES["topk"] = ("_interp_topk", (2, 3, 300, 40))
 INTERP_CASES["topk-k-wider-than-n"] = ("_interp_topk", (1, 2, 30, 64))
 
 
+def _kept_block_scores(mask, scores, visible, block_size):
+    """Per row, the sorted scores of the kept blocks (max over visible non-NaN entries, +inf for the newest)."""
+    out = []
+    for row, m, v in zip(scores.reshape(-1, scores.shape[-1]), mask.reshape(-1, mask.shape[-1]), visible.reshape(-1)):
+        n, v = row.shape[0], max(0, min(int(v), row.shape[0]))
+        kept = []
+        for blk in sorted({i // block_size for i in range(n) if m[i]}):
+            lo, hi = blk * block_size, min((blk + 1) * block_size, v)
+            vals = [x for x in row[lo:hi].tolist() if x == x]
+            kept.append(float("inf") if blk == (v - 1) // block_size else max(vals, default=float("-inf")))
+        out.append(sorted(kept))
+    return out
+
+
+def _check_candidates(b, s, n, block_size, top_blocks, device, seed, ties=False):
+    g = torch.Generator(device=device).manual_seed(seed)
+    if ties:  # few distinct values: block scores tie at the budget's boundary
+        values = torch.tensor([0.0, 0.0, 0.5, 1.0], device=device)
+        scores = values[torch.randint(0, 4, (b, s, n), generator=g, device=device)]
+    else:
+        scores = torch.randn(b, s, n, generator=g, device=device)
+        scores[0, 0, ::5] = float("nan")
+        scores[0, -1, :] = float("-inf")  # nothing selectable: only the newest block is kept
+    visible = torch.randint(-2, n + 3, (b, s), generator=g, device=device)  # clamped to [0, N]
+    visible[0, 0], visible[-1, -1] = n, 0
+    got = candidate_block_mask_triton(scores, visible, block_size, top_blocks)
+    want = candidate_block_mask_ref(scores, visible, block_size, top_blocks)
+    assert got.dtype == torch.bool and got.shape == want.shape
+    what = f"candidate_block_mask n={n} block={block_size} budget={top_blocks}"
+    if ties:
+        assert not (got & ~(torch.arange(n, device=device) < visible.clamp(0, n)[..., None])).any(), what
+        got_kept = _kept_block_scores(got.cpu(), scores.cpu(), visible.cpu(), block_size)
+        assert got_kept == _kept_block_scores(want.cpu(), scores.cpu(), visible.cpu(), block_size), what
+    else:
+        assert torch.equal(got, want), f"{what}: {(got != want).sum()} positions differ"
+
+
+def _interp_candidates(n, block_size, top_blocks, ties):
+    _check_candidates(2, 5, n, block_size, top_blocks, "cpu", n + block_size, ties)
+
+
+for _n, _bs, _tb in ((29, 4, 3), (40, 4, 100), (40, 4, 10), (40, 4, 9), (13, 3, 1), (17, 1, 5), (600, 8, 40)):
+    INTERP_CASES[f"candidates-n{_n}-b{_bs}-top{_tb}"] = ("_interp_candidates", (_n, _bs, _tb, False))
+INTERP_CASES["candidates-ties"] = ("_interp_candidates", (30, 4, 3, True))
+INTERP_CASES["candidates-ties-all-fit"] = ("_interp_candidates", (30, 4, 8, True))
+
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
@@ -157,3 +207,12 @@ def test_gpu_topk_matches_reference(b, s, n):
 @pytest.mark.parametrize(("b", "nblk"), [(1, 33), (256, 40), (8, 264)])
 def test_gpu_paged_equals_dense(b, nblk):
     _check_paged(b, 1, 32, 128, 32, nblk, torch.bfloat16, "cuda", b + nblk)  # V4.1: 32 heads, ratio 4, block 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "s", "n"), [(1, 1, 4096), (256, 1, 4096), (8, 1, 16384), (1, 1, 32768), (64, 1, 32768),
+                                           (1, 512, 8192)])  # fmt: skip
+def test_gpu_candidate_block_mask(b, s, n):
+    _check_candidates(b, s, n, 8, 2048, "cuda", n + b)  # V4.1: blocks of 8, a budget of 2048 (16K entries)
+    if n == 32768:
+        _check_candidates(b, s, n, 8, 2048, "cuda", n + b + 1, ties=True)

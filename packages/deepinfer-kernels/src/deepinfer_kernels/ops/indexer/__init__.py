@@ -195,7 +195,8 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block_size
     return dispatch(fn, scores.device, scores, visible, block_size, top_blocks)
 
 
-try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)
+try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)
+    from . import candidate_triton as _candidate_triton  # noqa: F401
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass

@@ -186,8 +186,8 @@ def indexer_topk_triton(
     scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     b, s, n = scores.shape
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:  # one launch (a masked_fill of ~mask is two)
+        scores = torch.where(mask, scores, float("-inf"))
     picks = topk_select_triton(scores.reshape(b * s, n), top_k, visible.reshape(b * s).to(torch.int64))
     return picks.view(b, s, -1)
 
