@@ -24,7 +24,7 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
-from ..topk_select.triton import topk_select_triton
+from ..topk_select.triton import _row_length, topk_select_triton
 
 ENTRIES_PER_PROGRAM = 2048  # a row's blocks per program: BLOCKS = this // BSP (V4.1: 256 blocks of 8)
 PICKS_PER_PROGRAM = 64  # kept blocks a program of the expand kernel writes
@@ -36,7 +36,7 @@ def _block_tile(scores_ptr, vis_ptr, row, N, n_blocks, s_stride, BS: tl.constexp
                 BLOCKS: tl.constexpr):  # fmt: skip
     """This program's blocks of ``row``: (block ids [BLOCKS], positions [BLOCKS, BSP], in-row [BLOCKS, BSP],
     visible [BLOCKS, BSP], selectable scores with -inf elsewhere [BLOCKS, BSP], the newest block or -1)."""
-    vis = tl.minimum(tl.maximum(tl.load(vis_ptr + row), 0), N)
+    vis = _row_length(vis_ptr, row, N, True)  # visible, clamped to [0, N]
     newest = tl.where(vis > 0, (vis - 1) // BS, -1)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     j = tl.arange(0, BSP)[None, :]
@@ -74,7 +74,7 @@ def _candidate_expand_kernel(
     """Kept blocks (``topk_select``'s picks, -1 padded) -> their visible positions set in the zeroed mask."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
-    vis = tl.minimum(tl.maximum(tl.load(vis_ptr + row), 0), N)
+    vis = _row_length(vis_ptr, row, N, True)
     i = tl.program_id(1) * PICKS + tl.arange(0, PICKS)
     blk = tl.load(picks_ptr + row * width + i, mask=i < width, other=-1)
     pos = blk[:, None] * BS + tl.arange(0, BSP)[None, :]
