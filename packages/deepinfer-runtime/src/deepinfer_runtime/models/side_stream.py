@@ -5,9 +5,10 @@ leaves most SMs idle. Work that no kernel of the main path reads until later can
 instead of before or after it: the compressors (ring write, pooling, norm, entry store; V4 and V4.1) and the
 window's latents (norm, RoPE, ring write, row table) beside the query path, the shared expert beside the router and
 the routed experts (both), V4.1's mHC coefficients beside the sublayer they wrap (its lagged wiring collapses with the
-previous site's weights, so only the expand waits for them), and on a lane of their own V4.1's Engram values (hash,
-row gather, value projection: token ids only) beside the layers before their gate, and on lane "index" V4's index-key
-compressor, so that the index scores wait for their keys alone, not for the attention's compressor and window:
+previous site's weights, so only the expand waits for them). Two kinds of work take lanes of their own: V4.1's
+Engram values (hash, row gather, value projection: token ids only; lane "engram") beside the layers before their
+gate, and V4's index-key compressor (lane "index"), so that the index scores wait for their keys alone, not for the
+attention's compressor and window:
 
     side = SideStream.of(x.device)
     with side.branch():   # the side stream waits for everything enqueued so far, then takes this block's work

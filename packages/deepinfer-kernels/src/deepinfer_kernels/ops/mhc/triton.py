@@ -170,28 +170,24 @@ def _coefficients_epilogue_kernel(
 
 
 @triton.jit
-def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(N):
-        w = tl.load(w_ptr + t * N + j).to(tl.float32)
-        acc += w * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _collapsed(x_ptr, w_ptr, t, D, cols, N: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """sum_j w[t, j] * x[t, j, cols] in fp32 (j in order, as ``_collapse_kernel``), rounded to OUT_DTYPE and read
-    back as fp32; 0 past D."""
+    """sum_j w[t, j] * x[t, j, cols] in fp32 (j in order), rounded to OUT_DTYPE and read back as fp32; 0 past D.
+    Both collapse kernels make their rows with it (rounding again at the store changes no bit)."""
     ok = cols < D
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(N):
         w = tl.load(w_ptr + t * N + j).to(tl.float32)
         acc += w * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
     return acc.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    u = _collapsed(x_ptr, w_ptr, t, D, cols, N, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * D + cols, u.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
