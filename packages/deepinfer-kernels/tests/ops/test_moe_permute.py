@@ -3,7 +3,8 @@
 (a) references against loops written here; (b) the Triton unpermute, the Triton counting sort (``moe_sort``) and
 the grouped GEMMs' tile list (``grouped_tiles.expert_tile_schedule``) under TRITON_INTERPRET=1 (child process);
 (c) GPU: Triton vs reference at V4.1-Flash sizes (hidden 5120, top-6 of 384) and bitwise invariance of a token's
-result to the other tokens in the call; the sort and the tile list bitwise equal to their references at decode
+result to the other tokens in the call; the sort (also with the sorted rows' tokens, weights and the inverse order
+that ``moe_sort_rows_triton`` writes) and the tile list bitwise equal to their references at decode
 sizes (V4 / V4.1: 256 experts, top-6), skewed routing and the radix-sort fallback past SORT_MAX_PAIRS included.
 """
 
@@ -70,10 +71,10 @@ def _sort_cases(cases, device: str, seed: int) -> None:
     skew routes every pair to the first few experts (long runs of one expert across chunks)."""
     from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule, expert_tile_schedule_ref
     from deepinfer_kernels.ops.moe_permute import triton as backend
-    from deepinfer_kernels.ops.moe_permute.reference import moe_sort_ref
+    from deepinfer_kernels.ops.moe_permute.reference import inverse_order, moe_sort_ref
 
     for i, (t, k, e, skew) in enumerate(cases):
-        _, experts, _ = _case(t, e, k, 1, seed + i, device)
+        _, experts, w = _case(t, e, k, 1, seed + i, device)
         if skew:
             experts = experts % 3
         order, offsets = backend.moe_sort_triton(experts, e)
@@ -82,6 +83,12 @@ def _sort_cases(cases, device: str, seed: int) -> None:
         assert order.dtype == offsets.dtype == torch.int64, what
         assert_bitwise(order, want_order, what)
         assert_bitwise(offsets, want_offsets, what)
+        # the sorted-layout MoE's sort: the same order and offsets plus the rows' tokens, weights and the inverse
+        got = backend.moe_sort_rows_triton(experts, w, e)
+        want = (want_order, want_offsets, inverse_order(want_order), want_order // k, w.flatten().float()[want_order])
+        for name, a, b in zip(("order", "offsets", "inverse", "row token", "row weight"), got, want, strict=True):
+            assert a.dtype == b.dtype, f"{name} {what}"
+            assert_bitwise(a, b, f"{name} {what} (with rows)")
         for block_m in (16, 64, 128):
             got = expert_tile_schedule(offsets, t * k, block_m)
             want = expert_tile_schedule_ref(offsets, t * k, block_m)

@@ -183,11 +183,18 @@ def _out(rows, w, fuse_swiglu, out_dtype, device):
     return torch.empty(rows, n_out, dtype=out_dtype, device=device)
 
 
+def grouped_block_m(w: torch.Tensor, rows: int) -> int:
+    """The contiguous layout's BLOCK_M for expert weights ``w`` [E, N, K] over ``rows`` sorted rows: callers that
+    run two GEMMs over one sort build the tile list once (``expert_tile_schedule``) and pass it as ``schedule``."""
+    return _grouped_cfg(w.dtype, rows, w.shape[0])["BLOCK_M"]
+
+
 def grouped_gemm_triton(
     x, w, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16,
-    row_index=None,
+    row_index=None, schedule=None,
 ):  # fmt: skip
-    """Contiguous layout (see module docstring); with ``row_index`` the tiles read their rows of x in place."""
+    """Contiguous layout (see module docstring); with ``row_index`` the tiles read their rows of x in place.
+    ``schedule``: ``expert_tile_schedule(expert_offsets, rows, grouped_block_m(w, rows))``, made already."""
     rows = x.shape[0] if row_index is None else row_index.shape[0]
     out = _out(rows, w, fuse_swiglu, out_dtype, x.device)
     if rows == 0 or out.shape[1] == 0:
@@ -195,7 +202,7 @@ def grouped_gemm_triton(
     if x.shape[1] == 0:  # every dot is 0, and so is silu(0) * 0
         return out.zero_()
     cfg = _grouped_cfg(w.dtype, rows, w.shape[0])
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["BLOCK_M"])
+    tile_e, tile_r0, tile_r1, slots = schedule or expert_tile_schedule(expert_offsets, rows, cfg["BLOCK_M"])
     rs = row_scale.contiguous() if row_scale is not None else None
     idx = row_index.contiguous() if row_index is not None else None
     _launch(x.contiguous(), w.contiguous(), out, rs, tile_e, tile_r0, tile_r1, idx, slots, False, cfg,

@@ -3,8 +3,9 @@ no host synchronisation and no copies of expert weights.
 
 * few (token, slot) rows (decode; ``gather_layout``): ``grouped_gemm_gather`` for gate/up (each row reads
   x[token] and its expert's weights) then for the down projection, in (token, slot) order;
-* more rows (prefill, larger decode batches): ``moe_sort`` (the (token, slot) rows sorted by expert, on the device;
-  one launch up to 4096 rows), ``grouped_gemm`` for gate/up reading each sorted row's token in place
+* more rows (prefill, larger decode batches): ``moe_sort_rows_triton`` (the (token, slot) rows sorted by expert, on
+  the device, with each sorted row's token and routing weight and each pair's sorted row; one launch up to 4096
+  rows), one tile list for both GEMMs, ``grouped_gemm`` for gate/up reading each sorted row's token in place
   (``row_index``), and for down;
 
 then ``moe_unpermute`` sums each token's k rows in slot order (fp32) and casts to x.dtype once. The gate/up
@@ -51,9 +52,13 @@ def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
-    # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref)
-    from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
-    from deepinfer_kernels.ops.moe_permute import moe_sort, moe_unpermute
+    # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref). The sorted layout calls the
+    # Triton functions themselves (this is their backend): they share the sort's extra outputs and one tile list.
+    from deepinfer_kernels.ops.grouped_gemm import grouped_gemm_gather
+    from deepinfer_kernels.ops.grouped_gemm.triton import grouped_block_m, grouped_gemm_triton
+    from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
+    from deepinfer_kernels.ops.moe_permute import moe_unpermute
+    from deepinfer_kernels.ops.moe_permute.triton import moe_sort_rows_triton, moe_unpermute_triton
 
     dense = (torch.bfloat16, torch.float32)
     if w13.dtype not in dense or w2.dtype not in dense or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -75,13 +80,19 @@ def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
         )  # fmt: skip
         y = grouped_gemm_gather(h, w2, flat_e, out_dtype=f32)
         return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
-    order, offsets = moe_sort(experts, num_experts)
-    h = grouped_gemm(  # the sorted rows read the tokens in place (no sorted copy of x)
-        x, w13, offsets, row_index=order // k, fuse_swiglu=True, swiglu_limit=swiglu_limit,
-        row_scale=flat_w[order], out_dtype=hidden,
+    # the sort also writes each sorted row's token and routing weight and each pair's sorted row (one launch for
+    # what order // k, flat_w[order] and the unpermute's inverse took three), and both GEMMs share one tile list
+    order, offsets, inverse, row_token, row_weight = moe_sort_rows_triton(experts, flat_w, num_experts)
+    rows = order.shape[0]
+    block_m = grouped_block_m(w13, rows)
+    schedule = expert_tile_schedule(offsets, rows, block_m)
+    h = grouped_gemm_triton(  # the sorted rows read the tokens in place (no sorted copy of x)
+        x, w13, offsets, row_index=row_token, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=row_weight,
+        out_dtype=hidden, schedule=schedule,
     )  # fmt: skip
-    y = grouped_gemm(h, w2, offsets, out_dtype=f32)
-    return moe_unpermute(y, order, t, None, out_dtype=x.dtype)
+    same = grouped_block_m(w2, rows) == block_m
+    y = grouped_gemm_triton(h, w2, offsets, out_dtype=f32, schedule=schedule if same else None)
+    return moe_unpermute_triton(y, order, t, None, out_dtype=x.dtype, inverse=inverse)
 
 
 register_backend(

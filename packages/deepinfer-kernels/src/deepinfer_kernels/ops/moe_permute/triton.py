@@ -13,6 +13,8 @@ for each other (a single program walking the chunks in order took 50 us for the 
 and it replaces the argsort (a radix sort of 27 us at batch 64), gather, arange and searchsorted; integers only, so
 the result equals the reference's exactly. Two whole-list histograms instead of one per 128-pair chunk, and 64-pair
 chunks: 12.9 -> 7.0 us at batch 256, 6.0 -> 4.4 at 64, 4.5 -> 4.0 at 1 (H200, CUDA graphs, session 14 probe).
+``moe_sort_rows_triton`` (the sorted-layout MoE's sort) also writes, from the same placement, each pair's sorted row
+and each sorted row's token and routing weight: the order // k, weights[order] and inverse-order launches it replaces.
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ def _unpermute_kernel(
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None):
+def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None, *, inverse=None):
+    """The op; ``inverse``: ``inverse_order(order)`` when the caller has it (``moe_sort_rows_triton``)."""
     p, d = y.shape
     k = p // num_tokens
     out = torch.empty(num_tokens, d, dtype=out_dtype or y.dtype, device=y.device)
     if d == 0:
         return out
-    pos = inverse_order(order) if order is not None else torch.arange(p, device=y.device)
+    if inverse is not None:
+        pos = inverse
+    else:
+        pos = inverse_order(order) if order is not None else torch.arange(p, device=y.device)
     w = weights.contiguous() if weights is not None else y
     block_d = min(1024, triton.next_power_of_2(d))
     _unpermute_kernel[(num_tokens, triton.cdiv(d, block_d))](
@@ -67,9 +73,11 @@ def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None):
 
 @triton.jit
 def _moe_sort_kernel(
-    exp_ptr, order_ptr, off_ptr, run_ptr, P, E, NB: tl.constexpr, CHUNK: tl.constexpr, PP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    exp_ptr, order_ptr, off_ptr, run_ptr, w_ptr, inv_ptr, tok_ptr, rw_ptr, P, E, K_SLOTS,
+    NB: tl.constexpr, CHUNK: tl.constexpr, PP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """ROWS: also each pair's sorted row (inv[pair]) and each sorted row's token and routing weight (tok[row] =
+    pair // K_SLOTS, rw[row] = w[pair]): what a grouped GEMM over the sorted rows and the unpermute read."""
     pdl_prologue(PDL)
     c = tl.program_id(0)  # this program places the pairs of chunk c
     bins = tl.arange(0, NB)
@@ -88,26 +96,54 @@ def _moe_sort_kernel(
     e = tl.load(exp_ptr + c0 + lane, mask=ok, other=E).to(tl.int32)
     earlier = lane[None, :] < lane[:, None]
     rank = tl.sum(((e[:, None] == e[None, :]) & earlier).to(tl.int32), axis=1)  # earlier lanes of one expert
-    tl.store(order_ptr + tl.load(run_ptr + c * NB + e) + rank, (c0 + lane).to(tl.int64), mask=ok)
+    dst = tl.load(run_ptr + c * NB + e) + rank
+    pair_id = (c0 + lane).to(tl.int64)
+    tl.store(order_ptr + dst, pair_id, mask=ok)
+    if ROWS:
+        tl.store(inv_ptr + pair_id, dst.to(tl.int64), mask=ok)
+        tl.store(tok_ptr + dst, pair_id // K_SLOTS, mask=ok)
+        tl.store(rw_ptr + dst, tl.load(w_ptr + pair_id, mask=ok, other=0.0), mask=ok)
 
 
 def moe_sort_triton(experts: torch.Tensor, num_experts: int):
     """The op (contract in ``__init__.py``)."""
+    return _sort(experts, num_experts, None)[:2]
+
+
+def moe_sort_rows_triton(experts: torch.Tensor, weights: torch.Tensor, num_experts: int):
+    """``moe_sort`` plus what the sorted-layout MoE reads beside it, in the same launch: (order, offsets, inverse
+    [P] int64 (inverse[order[j]] = j, for ``moe_unpermute_triton``), row_token [P] int64 (= order // k, the token of
+    each sorted row), row_weight [P] fp32 (= weights.flatten()[order])), all exactly the torch expressions'
+    values. experts [T, k] integer ids, weights [T, k] (routing weights, read as fp32)."""
+    return _sort(experts, num_experts, weights)
+
+
+def _sort(experts: torch.Tensor, num_experts: int, weights: torch.Tensor | None):
     flat = experts.reshape(-1)
     p = flat.shape[0]
     if p > SORT_MAX_PAIRS or p == 0:
-        return moe_sort_ref(experts, num_experts)
+        order, offsets = moe_sort_ref(experts, num_experts)
+        if weights is None:
+            return order, offsets
+        return order, offsets, inverse_order(order), order // experts.shape[1], weights.reshape(-1).float()[order]
     nb = triton.next_power_of_2(num_experts + 1)
     order = torch.empty(p, dtype=torch.int64, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
     chunks = triton.cdiv(p, SORT_CHUNK)
     running = torch.empty(chunks, nb, dtype=torch.int32, device=flat.device)
+    rows = weights is not None
+    if rows:
+        w = weights.reshape(-1).float().contiguous()
+        inverse, row_token = torch.empty_like(order), torch.empty_like(order)
+        row_weight = torch.empty(p, dtype=torch.float32, device=flat.device)
+    else:
+        w = inverse = row_token = row_weight = order  # dummy pointers, never read or written
     _moe_sort_kernel[(chunks,)](
-        flat.contiguous(), order, offsets, running, p, num_experts, NB=nb, CHUNK=SORT_CHUNK,
-        PP=triton.next_power_of_2(p), num_warps=4,
+        flat.contiguous(), order, offsets, running, w, inverse, row_token, row_weight, p, num_experts,
+        experts.shape[1], NB=nb, CHUNK=SORT_CHUNK, PP=triton.next_power_of_2(p), ROWS=rows, num_warps=4,
         **pdl_options(flat.device),
     )  # fmt: skip
-    return order, offsets
+    return (order, offsets, inverse, row_token, row_weight) if rows else (order, offsets)
 
 
 def _cuda_available() -> bool:
