@@ -180,7 +180,12 @@ def _interp_layouts(w_dtype: str, x_dtype: str, fuse: bool, k: int) -> None:
     kw = dict(row_index=torch.arange(t * top) // top, fuse_swiglu=fuse, swiglu_limit=LIMIT,
               row_scale=weights.flatten(), out_dtype=torch.float32)  # fmt: skip
     ref = reference("grouped_gemm_gather")(x, w, experts.flatten(), **kw)
-    assert_rel_close(backend.grouped_gemm_gather_triton(x, w, experts.flatten(), **kw), ref, 1e-6, "gather, index")
+    got = backend.grouped_gemm_gather_triton(x, w, experts.flatten(), **kw)
+    assert_rel_close(got, ref, 1e-6, "gather, index")
+    # the same rows without the index tensor: pair p reads token p // top
+    kw.pop("row_index")
+    assert_bitwise(backend.grouped_gemm_gather_triton(x, w, experts.flatten(), rows_per_input=top, **kw), got,
+                   "gather, rows_per_input vs row_index")  # fmt: skip
     ids = experts.flatten()[order]
     ref = reference("grouped_gemm_gather")(xs, w, ids, fuse_swiglu=fuse, out_dtype=torch.float32)
     got = backend.grouped_gemm_gather_triton(xs, w, ids, fuse_swiglu=fuse, out_dtype=torch.float32)
@@ -272,6 +277,9 @@ def test_gpu_moe_experts_v4(v4_stacks, t):
               row_scale=weights.flatten(), out_dtype=torch.float32)  # fmt: skip
     h = backend.grouped_gemm_gather_triton(x, w13, ids, **kw)
     assert_rel_close(h, reference("grouped_gemm_gather")(x, w13, ids, **kw), 1e-5, f"gather gate/up, {t} tokens")
+    kw.pop("row_index")  # pair p reads token p // k without the index tensor: the same bits
+    assert_bitwise(backend.grouped_gemm_gather_triton(x, w13, ids, rows_per_input=k, **kw), h,
+                   f"gather gate/up, rows_per_input vs row_index, {t} tokens")  # fmt: skip
     xs, order, offsets = moe_permute(x, experts, V4[2])
     hs = backend.grouped_gemm_triton(xs, w13, offsets, fuse_swiglu=True, swiglu_limit=LIMIT,
                                      row_scale=weights.flatten()[order], out_dtype=torch.float32)  # fmt: skip

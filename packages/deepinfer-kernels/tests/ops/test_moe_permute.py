@@ -63,6 +63,10 @@ def _interp_unpermute(t: int, k: int, d: int) -> None:
     for weights in (w, None):
         got = backend.moe_unpermute_triton(xs, order, t, weights, torch.float32)
         assert_rel_close(got, reference("moe_unpermute")(xs, order, t, weights, torch.float32), 1e-6, "unpermute")
+        # order None (y pair-major: the kernel reads its rows in order) against the identity order spelled out
+        ident = torch.arange(t * k)
+        assert_bitwise(backend.moe_unpermute_triton(xs, None, t, weights, torch.float32),
+                       backend.moe_unpermute_triton(xs, ident, t, weights, torch.float32), "order None")  # fmt: skip
     print("ok")
 
 

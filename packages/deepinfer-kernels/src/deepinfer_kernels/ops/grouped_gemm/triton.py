@@ -76,7 +76,7 @@ def _epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, lim
 @triton.jit
 def _grouped_kernel(
     x_ptr, w_ptr, out_ptr, rs_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, index_ptr,
-    N_OUT, K, limit,
+    N_OUT, K, limit, ROW_DIV,
     GATHER: tl.constexpr, HAS_INDEX: tl.constexpr, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_RS: tl.constexpr, TERMS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
@@ -89,7 +89,7 @@ def _grouped_kernel(
     lane = tl.arange(0, BLOCK_M)
     if GATHER:  # tile p = output row p alone, in lane 0; tile_e_ptr holds row_expert
         e = tl.load(tile_e_ptr + tile).to(tl.int64)
-        src = tile
+        src = tile // ROW_DIV  # pair p = t * k + i reads token t (ROW_DIV = k), or row p itself (ROW_DIV = 1)
         if HAS_INDEX:
             src = tl.load(index_ptr + tile).to(tl.int64)
         m_ok = lane == 0
@@ -161,7 +161,9 @@ def _grouped_cfg(dtype: torch.dtype, rows: int, num_experts: int) -> dict:
 _TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def _launch(x, w, out, row_scale, tile_e, tile_r0, tile_r1, index, slots, gather, cfg, fuse_swiglu, swiglu_limit):
+def _launch(
+    x, w, out, row_scale, tile_e, tile_r0, tile_r1, index, slots, gather, cfg, fuse_swiglu, swiglu_limit, row_div=1
+):
     n_out, k = out.shape[1], x.shape[1]
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
     grid = (slots, triton.cdiv(n_out, bn)) if gather else (triton.cdiv(n_out, bn), slots)
@@ -170,7 +172,7 @@ def _launch(x, w, out, row_scale, tile_e, tile_r0, tile_r1, index, slots, gather
         x, w, out, row_scale if row_scale is not None else dummy,
         tile_e, tile_r0 if tile_r0 is not None else dummy, tile_r1 if tile_r1 is not None else dummy,
         index if index is not None else dummy, n_out, k,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0, row_div,
         GATHER=gather, HAS_INDEX=index is not None, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None,
         HAS_RS=row_scale is not None, TERMS=_TERMS[x.dtype], IEEE=w.dtype == torch.float32 or interpreting(),
         EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
@@ -211,9 +213,14 @@ def grouped_gemm_triton(
 
 
 def grouped_gemm_gather_triton(
-    x, w, row_expert, *, row_index=None, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
-):
-    """Gathered layout (see module docstring)."""
+    x, w, row_expert, *, row_index=None, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16,
+    rows_per_input=1,
+):  # fmt: skip
+    """Gathered layout (see module docstring). Without ``row_index``, row p reads input row p // rows_per_input
+    (``rows_per_input`` = k: the (token, slot) pairs of token-major x, what ``row_index = arange(T * k) // k`` reads,
+    without the two launches that make it)."""
+    if rows_per_input < 1 or (row_index is not None and rows_per_input != 1):
+        raise ValueError(f"grouped_gemm_gather_triton: rows_per_input {rows_per_input} needs >= 1 and no row_index")
     p = row_expert.shape[0]
     out = _out(p, w, fuse_swiglu, out_dtype, x.device)
     if p == 0 or out.shape[1] == 0:
@@ -223,7 +230,7 @@ def grouped_gemm_gather_triton(
     idx = row_index.contiguous() if row_index is not None else None
     rs = row_scale.contiguous() if row_scale is not None else None
     _launch(x.contiguous(), w.contiguous(), out, rs, row_expert.contiguous(), None, None, idx, p, True,
-            GATHER_CFG[w.dtype], fuse_swiglu, swiglu_limit)  # fmt: skip
+            GATHER_CFG[w.dtype], fuse_swiglu, swiglu_limit, rows_per_input)  # fmt: skip
     return out
 
 

@@ -2,7 +2,8 @@
 no host synchronisation and no copies of expert weights.
 
 * few (token, slot) rows (decode; ``gather_layout``): ``grouped_gemm_gather`` for gate/up (each row reads
-  x[token] and its expert's weights) then for the down projection, in (token, slot) order;
+  x[token] in place, token = row // k, and its expert's weights) then for the down projection, in (token, slot)
+  order, which the unpermute reads as it is (no index tensors: three launches fewer on a batch-1 step's chain);
 * more rows (prefill, larger decode batches): ``moe_sort_rows_triton`` (the (token, slot) rows sorted by expert, on
   the device, with each sorted row's token and routing weight and each pair's sorted row; one launch up to 4096
   rows), one tile list for both GEMMs, ``grouped_gemm`` for gate/up reading each sorted row's token in place
@@ -52,12 +53,15 @@ def gather_layout(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
-    # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref). The sorted layout calls the
-    # Triton functions themselves (this is their backend): they share the sort's extra outputs and one tile list.
-    from deepinfer_kernels.ops.grouped_gemm import grouped_gemm_gather
-    from deepinfer_kernels.ops.grouped_gemm.triton import grouped_block_m, grouped_gemm_triton
+    # imported here: grouped_gemm's reference imports this package (swiglu_clamp_ref). Both layouts call the Triton
+    # functions themselves (this is their backend): they take what the op contracts do not (the gathered rows'
+    # token = row // k, the sort's extra outputs, one tile list for both GEMMs).
+    from deepinfer_kernels.ops.grouped_gemm.triton import (
+        grouped_block_m,
+        grouped_gemm_gather_triton,
+        grouped_gemm_triton,
+    )
     from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
-    from deepinfer_kernels.ops.moe_permute import moe_unpermute
     from deepinfer_kernels.ops.moe_permute.triton import moe_sort_rows_triton, moe_unpermute_triton
 
     dense = (torch.bfloat16, torch.float32)
@@ -72,14 +76,13 @@ def moe_experts_triton(x, experts, weights, w13, w2, *, swiglu_limit):
     f32 = torch.float32
     # the down GEMM's input (module docstring): bf16 for a 16-bit model with bf16 weights
     hidden = torch.bfloat16 if w2.dtype == torch.bfloat16 and x.dtype != f32 else f32
-    if gather_layout(t, k, num_experts):
-        rows = torch.arange(t * k, device=x.device) // k
-        h = grouped_gemm_gather(
-            x, w13, flat_e, row_index=rows, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w,
+    if gather_layout(t, k, num_experts):  # pair p = t * k + i reads token t; the unpermute reads y in pair order
+        h = grouped_gemm_gather_triton(
+            x, w13, flat_e, rows_per_input=k, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w,
             out_dtype=hidden,
         )  # fmt: skip
-        y = grouped_gemm_gather(h, w2, flat_e, out_dtype=f32)
-        return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
+        y = grouped_gemm_gather_triton(h, w2, flat_e, out_dtype=f32)
+        return moe_unpermute_triton(y, None, t, None, out_dtype=x.dtype)
     # the sort also writes each sorted row's token and routing weight and each pair's sorted row (one launch for
     # what order // k, flat_w[order] and the unpermute's inverse took three), and both GEMMs share one tile list
     order, offsets, inverse, row_token, row_weight = moe_sort_rows_triton(experts, flat_w, num_experts)

@@ -35,15 +35,20 @@ SORT_CHUNK = 64
 
 @triton.jit
 def _unpermute_kernel(
-    y_ptr, pos_ptr, w_ptr, out_ptr, D, K_SLOTS, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
-):
+    y_ptr, pos_ptr, w_ptr, out_ptr, D, K_SLOTS, HAS_W: tl.constexpr, IDENTITY: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """out[t] = sum over slots i of y[pos[t * k + i]] (times w[t, i]); IDENTITY: pos = arange (y pair-major)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for i in range(0, K_SLOTS):
-        row = tl.load(pos_ptr + t * K_SLOTS + i)
+        if IDENTITY:
+            row = t * K_SLOTS + i
+        else:
+            row = tl.load(pos_ptr + t * K_SLOTS + i)
         v = tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_W:
             v = v * tl.load(w_ptr + t * K_SLOTS + i).to(tl.float32)
@@ -60,12 +65,13 @@ def moe_unpermute_triton(y, order, num_tokens, weights=None, out_dtype=None, *, 
         return out
     if inverse is not None:
         pos = inverse
-    else:
-        pos = inverse_order(order) if order is not None else torch.arange(p, device=y.device)
+    else:  # order None: y is pair-major already, the kernel reads its rows in order (no arange launch)
+        pos = inverse_order(order) if order is not None else y
     w = weights.contiguous() if weights is not None else y
     block_d = min(1024, triton.next_power_of_2(d))
     _unpermute_kernel[(num_tokens, triton.cdiv(d, block_d))](
-        y.contiguous(), pos, w, out, d, k, HAS_W=weights is not None, BLOCK_D=block_d, num_warps=4,
+        y.contiguous(), pos, w, out, d, k, HAS_W=weights is not None, IDENTITY=order is None and inverse is None,
+        BLOCK_D=block_d, num_warps=4,
         **pdl_options(y.device),
     )  # fmt: skip
     return out
