@@ -383,6 +383,29 @@ def test_collapse_rms_norm_is_the_two_ops_and_the_sublayers_norm_argument():
         mhc_collapse_rms_norm(x, w[:, :-1], gain, 1e-6)
 
 
+def test_sublayer_output_as_two_addends():
+    """A sublayer may return (y, y_add) (a MoE's routed and shared experts): the expand adds them in y's dtype,
+    the same bits as expanding y + y_add, at both site kinds."""
+    g = _gen(12)
+    params, cfg = _random_params(g), _cfg()
+    x = _randn(g, T, N, D).bfloat16()
+    w = torch.rand(T, N, generator=g) + 0.1
+    a, b = _randn(g, T, D).bfloat16(), _randn(g, T, D).bfloat16()
+    _, post, comb = mhc_coefficients(x, params, cfg)
+    assert torch.equal(mhc_expand(x, a, post, comb, y_add=b), mhc_expand(x, a + b, post, comb))
+    assert torch.equal(
+        mhc_same_site_sublayer(x, lambda u: (a * u, b), params, cfg),
+        mhc_same_site_sublayer(x, lambda u: a * u + b, params, cfg),
+    )
+    pair, p = mhc_lagged_site(x, w, lambda u: (a * u, b), params, cfg)
+    one, p1 = mhc_lagged_site(x, w, lambda u: a * u + b, params, cfg)
+    assert torch.equal(pair, one) and torch.equal(p, p1)
+    with pytest.raises(ValueError, match="y_add"):
+        mhc_expand(x, a, post, comb, y_add=b.float())
+    with pytest.raises(ValueError, match="y_add"):
+        mhc_expand(x, a, post, comb, y_add=b[:-1])
+
+
 def test_empty_and_bad_shapes():
     g = _gen(10)
     params, cfg = _random_params(g), _cfg()

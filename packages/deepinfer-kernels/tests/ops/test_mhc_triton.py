@@ -98,6 +98,13 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
         assert_bitwise(fused, rms_norm_triton(u, g, norm_eps), f"collapse+norm vs the two kernels {what}")
     out = mhc_expand_triton(x, y, post, comb)
     _assert_stream_close(out, mhc_expand_ref(x, y, post, comb), f"expand {what}", min_equal)
+    # a sublayer output given as two addends (a MoE's routed and shared experts): the kernel's sum in y's dtype is
+    # torch's, so on the GPU the result is the expand of y + y_add bitwise (the interpreter truncates its bf16 cast)
+    if x.is_cuda or y.dtype == torch.float32:
+        y_add = torch.randn_like(y)
+        got = mhc_expand_triton(x, y, post, comb, y_add)
+        _assert_stream_close(got, mhc_expand_ref(x, y, post, comb, y_add), f"expand y + y_add {what}", min_equal)
+        assert_bitwise(got, mhc_expand_triton(x, y + y_add, post, comb), f"expand y_add vs y + y_add {what}")
 
 
 def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), streams=True) -> None:

@@ -348,8 +348,11 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, dtype)
         self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return routed_plus_shared(x, lambda: self.gate(x, input_ids), self.experts, self.shared_experts, self.limit)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, split: bool = False):
+        """x [T, d] -> [T, d]; ``split``: (routed, shared), whose sum that is (``routed_plus_shared``)."""
+        return routed_plus_shared(
+            x, lambda: self.gate(x, input_ids), self.experts, self.shared_experts, self.limit, split
+        )  # fmt: skip
 
 
 class Block(MhcBlock):
@@ -386,7 +389,7 @@ class Block(MhcBlock):
         """The FFN site: streams x [T, n, d] and the tokens [T] (hash routing) -> streams [T, n, d]. Static shapes
         and no host reads: CUDA-graph safe."""
         return mhc_same_site_sublayer(
-            x, lambda u: self.ffn(u, input_ids), self.mhc("ffn"), self.hc, norm=self.ffn_norm.fused
+            x, lambda u: self.ffn(u, input_ids, split=True), self.mhc("ffn"), self.hc, norm=self.ffn_norm.fused
         )
 
 

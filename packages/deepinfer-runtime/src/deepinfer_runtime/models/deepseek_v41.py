@@ -633,8 +633,9 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, cfg.moe_intermediate_size, cfg.hidden_size, dtype)
         self.shared_experts = SharedExpert(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return routed_plus_shared(x, lambda: self.gate(x), self.experts, self.shared_experts, self.limit)
+    def forward(self, x: torch.Tensor, split: bool = False):
+        """x [T, d] -> [T, d]; ``split``: (routed, shared), whose sum that is (``routed_plus_shared``)."""
+        return routed_plus_shared(x, lambda: self.gate(x), self.experts, self.shared_experts, self.limit, split)
 
 
 class Block(MhcBlock):
@@ -668,19 +669,21 @@ class Block(MhcBlock):
     def ffn_site(self, x: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams x [T, n, d] and the attention site's pre [T, n] -> (streams, the next layer's pre_mix). Static
         shapes and no host reads: CUDA-graph safe."""
-        return self.lagged_site(x, pre, self.ffn, "ffn", self.ffn_norm)
+        return self.lagged_site(x, pre, lambda u: self.ffn(u, split=True), "ffn", self.ffn_norm)
 
     def lagged_site(self, x, pre_mix, f, site: str, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
         """``mhc_lagged_site(x, pre_mix, f, self.mhc(site), self.hc, norm.fused)`` (the same ops, the same bits)
         with the site's coefficients on the side stream: they depend on x alone, and only the expand and the next
         site read them, so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before
-        it. ``f`` takes the normed collapse."""
+        it. ``f`` takes the normed collapse and returns the sublayer's output, or two addends of it (the expand
+        adds them: ``mhc_expand``'s y_add)."""
         side = SideStream.of(x.device)
         with side.branch():
             p, q, c = mhc_coefficients(x, self.mhc(site), self.hc)
         y = f(norm.collapse(x, pre_mix))
         side.join()
-        return mhc_expand(x, y, q, c), p
+        y, y_add = y if isinstance(y, tuple) else (y, None)
+        return mhc_expand(x, y, q, c, y_add=y_add), p
 
 
 # ----------------------------------------------------------------------------------------------------------

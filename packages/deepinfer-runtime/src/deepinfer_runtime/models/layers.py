@@ -255,17 +255,20 @@ def routed_plus_shared(
     experts: Experts,
     shared: SharedExpert,
     swiglu_limit: float | None,
-) -> torch.Tensor:
+    split: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A MoE sublayer: ``experts(x, *route())`` (route() -> (weights [T, k], expert ids [T, k])) plus the shared
     expert, [T, d] in x.dtype. The shared expert runs on the side stream: its weight stream overlaps the router's
-    and the routed experts' latency-bound kernels (numerics unchanged)."""
+    and the routed experts' latency-bound kernels (numerics unchanged). ``split``: the two addends (routed,
+    shared) instead, for an mHC site whose expand adds them (``mhc_expand``'s y_add: one launch fewer, the same
+    bits)."""
     side = SideStream.of(x.device)
     with side.branch():
         y = swiglu_mlp(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=swiglu_limit)
     weights, ids = route()
     routed = experts(x, ids, weights, swiglu_limit=swiglu_limit)
     side.join()
-    return routed + y
+    return (routed, y) if split else routed + y
 
 
 class MhcBlock(nn.Module):

@@ -131,14 +131,18 @@ def mhc_collapse_rms_norm(
     return dispatch("mhc_collapse_rms_norm", x.device, x, weights, norm_weight, float(eps))
 
 
-def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_expand(
+    x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
+) -> torch.Tensor:
     """out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * x[:, j], computed in fp32.
 
     Note the contraction over the FIRST comb index (out = post ⊗ y + comb^T x).
 
     Args:
         x: [T, n, d] the site's input streams; y: [T, d] the sublayer output;
-        post: [T, n]; comb: [T, n, n] (from ``mhc_coefficients`` of the same site).
+        post: [T, n]; comb: [T, n, n] (from ``mhc_coefficients`` of the same site);
+        y_add: None, or [T, d] of y's dtype when the sublayer's output is the sum y + y_add in that dtype (what
+            ``y + y_add`` gives, e.g. the routed and the shared experts of a MoE): added here, in the same kernel.
 
     Returns:
         [T, n, d] in x.dtype.
@@ -150,7 +154,9 @@ def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
         raise ValueError(f"mhc_expand: post {tuple(post.shape)} != ({t}, {n})")
     if tuple(comb.shape) != (t, n, n):
         raise ValueError(f"mhc_expand: comb {tuple(comb.shape)} != ({t}, {n}, {n})")
-    return dispatch("mhc_expand", x.device, x, y, post, comb)
+    if y_add is not None and (y_add.shape != y.shape or y_add.dtype != y.dtype):
+        raise ValueError(f"mhc_expand: y_add {y_add.dtype}{tuple(y_add.shape)} != y {y.dtype}{tuple(y.shape)}")
+    return dispatch("mhc_expand", x.device, x, y, post, comb, y_add)
 
 
 def mhc_head_weights(
@@ -192,6 +198,13 @@ def _sublayer_input(x: torch.Tensor, weights: torch.Tensor, norm: tuple[torch.Te
     return mhc_collapse(x, weights) if norm is None else mhc_collapse_rms_norm(x, weights, *norm)
 
 
+def _expand_output(x, y, post, comb) -> torch.Tensor:
+    """``mhc_expand`` of a sublayer output y, or of y[0] + y[1] for a pair (see ``mhc_expand``'s y_add)."""
+    if isinstance(y, tuple):
+        return mhc_expand(x, y[0], post, comb, y_add=y[1])
+    return mhc_expand(x, y, post, comb)
+
+
 def mhc_same_site_sublayer(
     x: torch.Tensor,
     f: Callable[[torch.Tensor], torch.Tensor],
@@ -203,12 +216,12 @@ def mhc_same_site_sublayer(
 
     (pre, post, comb) = coefficients(x); y = f(collapse(x, pre)); return expand(x, y, post, comb).
     ``f`` maps [T, d] -> [T, d] and includes the sublayer's own RMSNorm, unless ``norm`` = (weight [d], eps)
-    gives it: f then receives rms_norm(collapse(x, pre)), made by ``mhc_collapse_rms_norm``. A V4 block is two
-    calls, attention then MoE, each with its own params.
+    gives it: f then receives rms_norm(collapse(x, pre)), made by ``mhc_collapse_rms_norm``. f may return a pair
+    (y, y_add) for y + y_add, which the expand adds (``mhc_expand``'s y_add). A V4 block is two calls, attention
+    then MoE, each with its own params.
     """
     pre, post, comb = mhc_coefficients(x, params, cfg)
-    y = f(_sublayer_input(x, pre, norm))
-    return mhc_expand(x, y, post, comb)
+    return _expand_output(x, f(_sublayer_input(x, pre, norm)), post, comb)
 
 
 def mhc_lagged_layer(
@@ -249,10 +262,10 @@ def mhc_lagged_site(
     norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One site of ``mhc_lagged_layer``: (p, q, C) = coefficients(x; params); y = f(collapse(x, pre_mix));
-    returns (expand(x, y, q, C), p): the streams and the pre the NEXT site collapses with. ``norm`` as in
-    ``mhc_same_site_sublayer``."""
+    returns (expand(x, y, q, C), p): the streams and the pre the NEXT site collapses with. ``norm`` and a pair
+    from f as in ``mhc_same_site_sublayer``."""
     p, q, c = mhc_coefficients(x, params, cfg)
-    return mhc_expand(x, f(_sublayer_input(x, pre_mix, norm)), q, c), p
+    return _expand_output(x, f(_sublayer_input(x, pre_mix, norm)), q, c), p
 
 
 try:  # the Triton backends register themselves on import; triton is optional (CPU-only installs have none)

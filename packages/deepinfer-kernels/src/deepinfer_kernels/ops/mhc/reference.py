@@ -69,8 +69,12 @@ def mhc_collapse_rms_norm_ref(x: torch.Tensor, weights: torch.Tensor, norm_weigh
 
 
 @register_reference("mhc_expand")
-def mhc_expand_ref(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_expand_ref(
+    x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
+) -> torch.Tensor:
     # out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j]  (contract the FIRST comb index)
+    if y_add is not None:
+        y = y + y_add  # the sublayer's output, in its dtype
     expanded = post.float().unsqueeze(-1) * y.float().unsqueeze(-2)
     mixed = torch.matmul(comb.float().transpose(-1, -2), x.float())
     return (expanded + mixed).to(x.dtype)

@@ -224,8 +224,8 @@ def _collapse_rms_norm_kernel(
 
 @triton.jit
 def _expand_kernel(
-    x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False
+    x_ptr, y_ptr, y_add_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr,
+    HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -240,8 +240,11 @@ def _expand_kernel(
         xj = tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
         acc += c[:, None] * xj[None, :]
     post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + t * D + cols, mask=ok, other=0.0).to(tl.float32)
-    acc += post[:, None] * y[None, :]
+    y = tl.load(y_ptr + t * D + cols, mask=ok, other=0.0)
+    if HAS_ADD:  # y + y_add in y's dtype, as torch adds two tensors of it (fp32 sum, one rounding)
+        ya = tl.load(y_add_ptr + t * D + cols, mask=ok, other=0.0)
+        y = (y.to(tl.float32) + ya.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    acc += post[:, None] * y.to(tl.float32)[None, :]
     dst = out_ptr + (t * N + k[:, None]) * D + cols[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ok[None, :])
 
@@ -368,15 +371,19 @@ def mhc_collapse_rms_norm_triton(
     return out
 
 
-def mhc_expand_triton(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    require_same_device(x, y, post, comb)
+def mhc_expand_triton(
+    x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
+) -> torch.Tensor:
+    require_same_device(x, y, post, comb, *([] if y_add is None else [y_add]))
     t, n, d = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
+    y = y.contiguous()
     _expand_kernel[(t, triton.cdiv(d, BLOCK_D))](
-        x.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, d,
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS, **pdl_options(x.device),
+        x.contiguous(), y, y if y_add is None else y_add.contiguous(), post.contiguous(), comb.contiguous(), out, d,
+        N=n, NP=triton.next_power_of_2(n), HAS_ADD=y_add is not None, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS,
+        **pdl_options(x.device),
     )  # fmt: skip
     return out
 
