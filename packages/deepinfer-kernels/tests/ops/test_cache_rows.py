@@ -117,6 +117,25 @@ def test_paged_rows_equals_the_old_gather_plus_offset():
     assert_bitwise(paged_rows(ids, tables, 4, offset=77), torch.where(old >= 0, old + 77, -1), "offset 77")
 
 
+def test_paged_rows_limit_count_and_prefix_are_the_torch_expressions():
+    """``limit``, ``ids`` = K and ``prefix``: what a decode step computed with arange, where and cat around the op."""
+    for seed, (rows, k, width, r) in enumerate(((5, 12, 3, 4), (3, 7, 2, 2), (4, 0, 3, 4), (1, 9, 0, 4))):
+        ids, tables = _paged_inputs(rows, k, width, r, seed)
+        g = torch.Generator().manual_seed(seed)
+        limit = torch.randint(-1, k + 3, (rows,), generator=g)
+        prefix = torch.randint(-1, 50, (rows, 6), generator=g)
+        masked = torch.where(ids < limit[:, None], ids, -1)
+        want = paged_rows_ref(masked, tables, r, 3)
+        assert_bitwise(paged_rows(ids, tables, r, 3, limit=limit), want, f"limit {seed}")
+        assert_bitwise(paged_rows(ids, tables, r, 3, limit=limit, prefix=prefix), torch.cat([prefix, want], 1), "cat")
+        ar = torch.arange(k)[None].expand(rows, -1)
+        visible = torch.where(ar < limit[:, None], ar, -1)  # V4's HCA rows: every visible entry
+        got = paged_rows(k, tables, r, 3, limit=limit)
+        assert_bitwise(got, paged_rows_ref(visible.contiguous(), tables, r, 3), f"count {seed}")
+        assert_bitwise(got, _paged_loop(visible, tables, r, 3), f"count {seed} (loop)")
+        assert_bitwise(paged_rows(k, tables, r), paged_rows_ref(ar.contiguous(), tables, r), f"count, no limit {seed}")
+
+
 def test_paged_rows_past_the_table_is_minus_one():
     tables = torch.tensor([[3, 1], [0, 2]])
     ids = torch.tensor([[0, 3, 4, 7, -1], [5, 8, 100, -2, 1]])
@@ -152,6 +171,12 @@ def test_argument_errors():
         paged_rows(ids, tables, 4, offset=-1)
     with pytest.raises(ValueError, match="offset"):
         paged_rows(ids, tables, 4, offset=True)
+    with pytest.raises(ValueError, match="entry count"):
+        paged_rows(-1, tables, 4)
+    with pytest.raises(ValueError, match="limit"):
+        paged_rows(ids, tables, 4, limit=ids[:, 0].int())
+    with pytest.raises(ValueError, match="prefix"):
+        paged_rows(ids, tables, 4, prefix=ids[:2])
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------
@@ -177,6 +202,15 @@ def _check_triton(ring_cases, paged_cases, device, seed):
         assert_bitwise(paged_rows_triton(ids, tables, r, offset), want, what)
         if rows > 1:
             assert_bitwise(paged_rows_triton(ids[-1:], tables[-1:], r, offset), want[-1:], what)
+        # limit, an entry count instead of ids, and a prefix (a column block may hold both kinds of column)
+        g = torch.Generator().manual_seed(seed + i)
+        limit = torch.randint(-1, k + 3, (rows,), generator=g).to(device)
+        prefix = torch.randint(-1, 1 << 40, (rows, 2 * k + 3), generator=g).to(device)[:, ::2]  # a strided view
+        for ids_arg in (ids, k):
+            for kw in (dict(limit=limit), dict(prefix=prefix), dict(limit=limit, prefix=prefix)):
+                want = paged_rows_ref(ids_arg, tables, r, offset, **kw)
+                got = paged_rows_triton(ids_arg, tables, r, offset, **kw)
+                assert_bitwise(got, want, f"{what} ids={'K' if isinstance(ids_arg, int) else 'tensor'} {sorted(kw)}")
 
 
 # --- row writes -----------------------------------------------------------------------------------------------
@@ -207,6 +241,25 @@ def test_row_write_references_match_a_loop():
     assert_bitwise(flat.view_as(buf), want, "scatter_rows")
 
 
+def test_ring_scatter_bias_is_the_sum_written():
+    """A compressor's score plus its position bias ape[p % r], written in one call: torch's sum, then the cast."""
+    buf, rows, slots, pos = _write_inputs(5, 9, 6, 7, seed=3)
+    bias = torch.randn(4, 7, generator=torch.Generator().manual_seed(3))
+    bias_index = pos % 4
+    want, got = buf.clone(), buf.clone()
+    ring_scatter_ref(want, rows + bias[bias_index], slots, pos)
+    ring_scatter(got, rows, slots, pos, bias=bias, bias_index=bias_index)
+    assert_bitwise(got, want, "ring_scatter with bias")
+    with pytest.raises(ValueError, match="together"):
+        ring_scatter(got, rows, slots, pos, bias=bias)
+    with pytest.raises(ValueError, match="fp32"):
+        ring_scatter(got, rows.bfloat16(), slots, pos, bias=bias.bfloat16(), bias_index=bias_index)
+    with pytest.raises(ValueError, match="bias must be"):
+        ring_scatter(got, rows, slots, pos, bias=bias[:, :5], bias_index=bias_index)
+    with pytest.raises(ValueError, match="bias_index must be int64"):
+        ring_scatter(got, rows, slots, pos, bias=bias, bias_index=bias_index[:3])
+
+
 def test_row_write_argument_errors():
     buf, rows, slots, pos = _write_inputs(3, 4, 5, 8, seed=2)
     with pytest.raises(ValueError, match="rows"):
@@ -228,6 +281,21 @@ def _check_writes(cases, device, seed):
         want, got = buf.clone(), buf.clone()
         ring_scatter_ref(want, rows, slots, pos)
         ring_scatter_triton(got, rows, slots, pos)
+        # with a bias row per request (fp32 rows and bias: the compressors' scores and position biases)
+        if dtype == torch.float32 and b:
+            bias = torch.randn(5, c, generator=torch.Generator().manual_seed(seed + i)).to(device)
+            bias_index = (pos % 5).contiguous()
+            want_b, got_b = buf.clone(), buf.clone()
+            ring_scatter_ref(want_b, rows, slots, pos, bias, bias_index)
+            ring_scatter_triton(got_b, rows, slots, pos, bias, bias_index)
+            if device == "cpu":  # the interpreter's cast truncates: within 1 bf16 ulp
+                assert_rel_close(got_b.float(), want_b.float(), 2**-7, f"ring_scatter + bias B={b} C={c}")
+            else:
+                assert_bitwise(got_b, want_b, f"ring_scatter + bias B={b} C={c}")
+            want_b, got_b = buf.float(), buf.float()  # an fp32 ring (the compressors' score rings): no cast
+            ring_scatter_ref(want_b, rows, slots, pos, bias, bias_index)
+            ring_scatter_triton(got_b, rows, slots, pos, bias, bias_index)
+            assert_bitwise(got_b, want_b, f"ring_scatter + bias into fp32 B={b} C={c}")
         flat_want, flat_got = buf.clone().view(-1, c), buf.clone().view(-1, c)
         index = slots * r + pos % r
         scatter_rows_ref(flat_want, rows, index)

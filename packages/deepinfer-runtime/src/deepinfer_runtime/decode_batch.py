@@ -197,11 +197,16 @@ class DecodeBatch:
         off, shape = self.layout[name]
         return self.data[off : off + math.prod(shape)].view(shape)
 
-    def write(self, key: object, rows: torch.Tensor) -> torch.Tensor:
+    def write(
+        self, key: object, rows: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Write ``rows`` [rows, C] at each request's position p into ring buffer ``key``; return the buffer as one
-        row table [num_slots x R, C] (what ``ring_ids`` addresses, read in place)."""
+        row table [num_slots x R, C] (what ``ring_ids`` addresses, read in place). ``bias`` = (table [N, C], index
+        [rows]): write rows + table[index] instead (``ring_scatter``'s bias, the same launch)."""
         buf = self.buffers[key]
-        ring_scatter(buf, rows, self["slots"], self["pos"])  # one kernel: the row, its ring index and the cast
+        b, i = bias if bias is not None else (None, None)
+        # one kernel: the row (plus its bias row), its ring index and the cast
+        ring_scatter(buf, rows, self["slots"], self["pos"], bias=b, bias_index=i)
         return buf.view(-1, buf.shape[-1])
 
     def ring_ids(self, key: object, n: int, every: int = 1) -> torch.Tensor:
@@ -240,9 +245,13 @@ class DecodeBatch:
         in place, ``indexer_scores_paged``)."""
         return self.kv[key].data, self["tables"]
 
-    def pool_rows(self, key: object, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def pool_rows(
+        self, key: object, ids: torch.Tensor | int, offset: int = 0, *, limit=None, prefix=None
+    ) -> torch.Tensor:
         """[rows, K] int64: rows of store ``key``'s pool (``kv[key].flat``) holding each request's entries ``ids``
         [rows, K] int64 (its own entry numbers through its table; -1 stays -1), plus ``offset`` (the pool as the
         second segment of an attention row table, after ``offset`` window rows): what attention reads in place.
-        One kernel (``paged_rows``)."""
-        return paged_rows(ids, self["tables"], self.kv[key].rows_per_block, offset)
+        ``ids`` = K: entries 0 .. K - 1; ``limit`` [rows]: entries at or past it are -1; ``prefix`` [rows, P]: put
+        in front (the window's rows: the whole attention row table, [rows, P + K]). One kernel (``paged_rows``)."""
+        rpb = self.kv[key].rows_per_block
+        return paged_rows(ids, self["tables"], rpb, offset, limit=limit, prefix=prefix)

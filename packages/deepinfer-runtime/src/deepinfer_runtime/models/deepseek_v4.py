@@ -121,8 +121,9 @@ class Compressor(nn.Module):
         The requests whose row completes a group pool it from their rings in place (the others' rows are empty:
         their NaN entries go to the scratch row the plan gave them)."""
         r, c = self.ratio, self.head_dim
-        score = score + self.ape[batch[("pos_mod", r)]]
-        kv_table, score_table = batch.write((*key, "kv"), kv), batch.write((*key, "score"), score)
+        kv_table = batch.write((*key, "kv"), kv)
+        # the ring holds score + ape[p % r], summed in the write's kernel
+        score_table = batch.write((*key, "score"), score, bias=(self.ape, batch[("pos_mod", r)]))
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
         rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
@@ -298,16 +299,18 @@ class Attention(nn.Module):
             with index_side.branch():
                 self.indexer.compressor.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
         qr, q = self.query(x, pos, xa=proj[0])
-        if self.kind != SLIDING:
-            if self.kind == CSA:  # (joins its lane before the index scores)
-                picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, index_side)
-            else:  # HCA: every complete window is visible
-                ids = torch.arange(batch.entry_capacity(key), device=x.device)[None]
-                picked = torch.where(ids < batch[("visible", self.compressor.ratio)][:, None], ids, -1)
-            entries = batch.pool_rows(key, picked, offset=kv_all.shape[0])
+        if self.kind == CSA:  # (joins its lane before the index scores)
+            picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, index_side)
         side.join()
         if self.kind != SLIDING:
-            idx = torch.cat([idx, entries], dim=1)
+            # the row table [window rows | pool rows of the picked entries] in one launch: HCA picks every entry a
+            # request sees (its first `visible` ones), CSA the indexer's
+            kw = dict(offset=kv_all.shape[0], prefix=idx)
+            if self.kind == CSA:
+                idx = batch.pool_rows(key, picked, **kw)
+            else:
+                visible = batch[("visible", self.compressor.ratio)]
+                idx = batch.pool_rows(key, batch.entry_capacity(key), limit=visible, **kw)
             kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)

@@ -570,9 +570,10 @@ class Attention(nn.Module):
             picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
             shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
         key = ("kv", self.kv_source)  # the entries are read in place, from the pool
-        rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0])
+        # the row table [window rows | pool rows of the picked entries] in one launch
+        rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0], prefix=win_ids)
         kv = (kv_rows, batch.kv[key].flat.to(kv_rows.dtype))
-        return self.attend_rows(q, kv, torch.cat([win_ids, rows], dim=1), pos)
+        return self.attend_rows(q, kv, rows, pos)
 
     def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
         """Every projection of the normed input x a decode step makes, with its out dtype: wq_a, wkv, then on a KV

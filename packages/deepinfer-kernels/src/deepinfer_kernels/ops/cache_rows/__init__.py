@@ -72,7 +72,15 @@ def ring_rows(
     return dispatch(op, pos.device, pos, slots, first, capacity, n, every)
 
 
-def paged_rows(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+def paged_rows(
+    ids: torch.Tensor | int,
+    tables: torch.Tensor,
+    rows_per_block: int,
+    offset: int = 0,
+    *,
+    limit: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows of a paged pool (blocks of ``rows_per_block`` rows, flattened) holding each request's entries ``ids``.
 
     Request b's entry e lives in block ``tables[b, e // R]`` at row e % R (R = rows_per_block), so
@@ -82,30 +90,49 @@ def paged_rows(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, off
 
     An entry past the table (e // R >= width) has no row: -1, like no entry (callers never pass one; the op
     defines it rather than reading out of bounds). ``offset`` shifts every row (the pool as the second segment of
-    a row table, after ``offset`` rows of another); -1 stays -1.
+    a row table, after ``offset`` rows of another); -1 stays -1. Two options save a decode step the launches
+    that would make their inputs or use the result:
+
+    * ``limit``: entries e >= limit[b] are none (-1), e.g. the entries a request sees; with ``ids`` = K (an int)
+      every request asks for its entries 0 .. K - 1, so ``paged_rows(K, tables, R, limit=visible)`` is
+      ``paged_rows(where(arange(K) < visible[:, None], arange(K), -1), tables, R)``;
+    * ``prefix``: [rows, P] int64 copied in front: the result is ``cat([prefix, rows], 1)`` (an attention row
+      table's first segment, the window's rows, before the pool's).
 
     Args:
-        ids: [rows, K] int64 entry numbers of each request, -1 (any negative) = none.
+        ids: [rows, K] int64 entry numbers of each request, -1 (any negative) = none; or an int K >= 0 (entries
+            0 .. K - 1 of every request).
         tables: [rows, width] int64 block tables (block ids >= 0).
         rows_per_block: int >= 1, R.
         offset: int >= 0 added to every row.
+        limit: None or [rows] int64.
+        prefix: None or [rows, P] int64.
 
     Returns:
-        [rows, K] int64 on ids' device. See reference.py.
+        [rows, P + K] int64 on tables' device (P = 0 without a prefix). See reference.py.
     """
     op = "paged_rows"
-    if ids.dim() != 2 or tables.dim() != 2 or ids.dtype != torch.int64 or tables.dtype != torch.int64:
-        raise ValueError(
-            f"{op}: ids must be int64 [rows, K] and tables int64 [rows, width], got ids {ids.dtype}"
-            f"{tuple(ids.shape)} and tables {tables.dtype}{tuple(tables.shape)}"
-        )
-    if ids.shape[0] != tables.shape[0]:
-        raise ValueError(f"{op}: ids {tuple(ids.shape)} and tables {tuple(tables.shape)} must have the same rows")
-    if ids.device != tables.device:
-        raise ValueError(f"{op}: ids on {ids.device} and tables on {tables.device} must be on one device")
+    if tables.dim() != 2 or tables.dtype != torch.int64:
+        raise ValueError(f"{op}: tables must be int64 [rows, width], got {tables.dtype}{tuple(tables.shape)}")
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 2 or ids.dtype != torch.int64:
+            raise ValueError(f"{op}: ids must be int64 [rows, K] (or an int K), got {ids.dtype}{tuple(ids.shape)}")
+        if ids.shape[0] != tables.shape[0]:
+            raise ValueError(f"{op}: ids {tuple(ids.shape)} and tables {tuple(tables.shape)} must have the same rows")
+        if ids.device != tables.device:
+            raise ValueError(f"{op}: ids on {ids.device} and tables on {tables.device} must be on one device")
+    else:
+        ids = _check_int(op, "ids (an entry count)", ids, 0)
+    rows = tables.shape[0]
+    for name, t, dims in (("limit", limit, 1), ("prefix", prefix, 2)):
+        if t is None:
+            continue
+        if t.dim() != dims or t.dtype != torch.int64 or t.shape[0] != rows or t.device != tables.device:
+            want = f"[{rows}]" if dims == 1 else f"[{rows}, P]"
+            raise ValueError(f"{op}: {name} must be int64 {want} on {tables.device}, got {t.dtype}{tuple(t.shape)}")
     rows_per_block = _check_int(op, "rows_per_block", rows_per_block, 1)
     offset = _check_int(op, "offset", offset, 0)
-    return dispatch(op, ids.device, ids, tables, rows_per_block, offset)
+    return dispatch(op, tables.device, ids, tables, rows_per_block, offset, limit, prefix)
 
 
 def _check_write(op: str, table: torch.Tensor, rows: torch.Tensor, index: dict[str, torch.Tensor], dims: int) -> None:
@@ -136,14 +163,40 @@ def scatter_rows(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -
     dispatch("scatter_rows", table.device, table, rows, index)
 
 
-def ring_scatter(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+def ring_scatter(
+    buffer: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    bias_index: torch.Tensor | None = None,
+) -> None:
     """``buffer[slots[b], pos[b] % R] = rows[b]`` cast to buffer's dtype, in place (a decode step's new ring rows).
+    With ``bias`` the row written is ``rows[b] + bias[bias_index[b]]`` (torch's sum: one fp32 addition, since
+    the two dtypes must promote to fp32), then cast: a compressor's score plus its position bias, one launch.
 
     Args:
         buffer: [S, R, C] contiguous ring buffers (S slots of R rows).
         rows: [B, C] any float dtype (cast like ``Tensor.to``).
         slots: [B] int64 slots (0 <= slot < S); two requests in one slot leave either row there.
         pos: [B] int64 positions >= 0.
+        bias: None or [N, C] float, contiguous along C, with rows or bias fp32 (their sum is fp32);
+        bias_index: [B] int64 rows of bias (0 <= bias_index < N), given exactly with bias.
     """
-    _check_write("ring_scatter", buffer, rows, {"slots": slots, "pos": pos}, 3)
-    dispatch("ring_scatter", buffer.device, buffer, rows, slots, pos)
+    op = "ring_scatter"
+    index = {"slots": slots, "pos": pos}
+    if (bias is None) != (bias_index is None):
+        raise ValueError(f"{op}: bias and bias_index come together")
+    if bias is not None:
+        index["bias_index"] = bias_index
+        if bias.dim() != 2 or bias.shape[1] != rows.shape[-1] or bias.stride(-1) != 1:
+            raise ValueError(
+                f"{op}: bias must be [N, {rows.shape[-1]}] with unit stride along C, got {tuple(bias.shape)}"
+            )
+        if torch.promote_types(rows.dtype, bias.dtype) != torch.float32 or bias.device != buffer.device:
+            raise ValueError(
+                f"{op}: rows {rows.dtype} + bias {bias.dtype} on {bias.device} must sum in fp32 on {buffer.device}"
+            )
+    _check_write(op, buffer, rows, index, 3)
+    dispatch(op, buffer.device, buffer, rows, slots, pos, bias, bias_index)

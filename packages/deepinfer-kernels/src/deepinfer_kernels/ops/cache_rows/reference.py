@@ -23,14 +23,27 @@ def ring_rows_ref(
 
 
 @register_reference("paged_rows")
-def paged_rows_ref(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+def paged_rows_ref(
+    ids: torch.Tensor | int,
+    tables: torch.Tensor,
+    rows_per_block: int,
+    offset: int = 0,
+    limit: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if isinstance(ids, int):  # entries 0 .. ids - 1 of every request
+        ids = torch.arange(ids, device=tables.device)[None].expand(tables.shape[0], -1)
+    if limit is not None:  # entries at or past a request's limit are none
+        ids = torch.where(ids < limit[:, None], ids, -1)
     safe = ids.clamp(min=0)
     block = safe // rows_per_block
     ok = (ids >= 0) & (block < tables.shape[1])
     if tables.shape[1] == 0:  # nothing to gather from: every entry is past the table
-        return torch.full_like(ids, -1)
-    blocks = tables.gather(1, torch.where(ok, block, 0))
-    return torch.where(ok, blocks * rows_per_block + safe % rows_per_block + offset, -1)
+        out = torch.full_like(ids, -1)
+    else:
+        blocks = tables.gather(1, torch.where(ok, block, 0))
+        out = torch.where(ok, blocks * rows_per_block + safe % rows_per_block + offset, -1)
+    return out if prefix is None else torch.cat([prefix, out], dim=1)
 
 
 @register_reference("scatter_rows")
@@ -39,5 +52,14 @@ def scatter_rows_ref(table: torch.Tensor, rows: torch.Tensor, index: torch.Tenso
 
 
 @register_reference("ring_scatter")
-def ring_scatter_ref(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+def ring_scatter_ref(
+    buffer: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    bias_index: torch.Tensor | None = None,
+) -> None:
+    if bias is not None:
+        rows = rows + bias[bias_index]
     buffer[slots, pos % buffer.shape[1]] = rows.to(buffer.dtype)

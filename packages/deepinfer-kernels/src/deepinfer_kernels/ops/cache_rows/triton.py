@@ -7,12 +7,14 @@ They replace chains of 8-12 tiny torch kernels per call in a decode step. The fo
 ``%`` and ``//`` only ever see non-negative operands (max(q, 0), max(e, 0)), where Triton's truncating
 division and torch's flooring one agree, and ``(p + 1) % every == 0`` holds under either convention alike (with
 every = 1 always: no branch), so the results equal the reference exactly. Each row reads only its own inputs:
-batch-invariant. No host reads: capturable in CUDA graphs.
+batch-invariant. No host reads: capturable in CUDA graphs. ``paged_rows``'s options cost no launch of their own:
+an entry count instead of ids (COUNT), a per-request limit, and a prefix copied into the first P columns (a program's
+column block may hold prefix and entry columns alike), so a decode step's attention row table is one launch.
 
 ``_scatter_rows_kernel``: grid (rows, column blocks); a program computes its destination row (the given row id,
 or slot * R + pos % R for a ring: pos >= 0, so truncating and flooring ``%`` agree) and copies BLOCK columns,
 cast to the table's dtype as ``Tensor.to`` does (round to nearest even), in place of a remainder, an index_put and
-a cast copy.
+a cast copy; with a bias (``ring_scatter``) it adds the bias row first, one fp32 addition as torch's.
 """
 
 import torch
@@ -45,25 +47,40 @@ def _ring_rows_kernel(
 
 @triton.jit
 def _paged_rows_kernel(
-    ids_ptr, tables_ptr, out_ptr, K, W, R, OFFSET, IDS_STRIDE_B, IDS_STRIDE_K, TAB_STRIDE_B, TAB_STRIDE_W,
-    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    ids_ptr, tables_ptr, limit_ptr, prefix_ptr, out_ptr, K, P, W, R, OFFSET, IDS_STRIDE_B, IDS_STRIDE_K,
+    TAB_STRIDE_B, TAB_STRIDE_W, PRE_STRIDE_B, PRE_STRIDE_P,
+    COUNT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """Output column j of row b: prefix[b, j] for j < P, else the row of entry k = j - P (ids[b, k], or k itself
+    with COUNT), -1 at or past limit[b] (HAS_LIMIT)."""
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    in_k = k < K
-    e = tl.load(ids_ptr + b * IDS_STRIDE_B + k * IDS_STRIDE_K, mask=in_k, other=-1)
+    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    in_j = j < P + K
+    k = j - P
+    in_k = in_j & (k >= 0)
+    if COUNT:
+        e = tl.where(in_k, k, -1)
+    else:
+        e = tl.load(ids_ptr + b * IDS_STRIDE_B + k * IDS_STRIDE_K, mask=in_k, other=-1)
+    if HAS_LIMIT:
+        e = tl.where(e < tl.load(limit_ptr + b), e, -1)
     safe = tl.maximum(e, 0)
     block = safe // R
     ok = in_k & (e >= 0) & (block < W)
     t = tl.load(tables_ptr + b * TAB_STRIDE_B + block * TAB_STRIDE_W, mask=ok, other=0)
-    tl.store(out_ptr + b * K + k, tl.where(ok, t * R + safe % R + OFFSET, -1), mask=in_k)
+    row = tl.where(ok, t * R + safe % R + OFFSET, -1)
+    if HAS_PREFIX:
+        pre = j < P
+        row = tl.where(pre, tl.load(prefix_ptr + b * PRE_STRIDE_B + j * PRE_STRIDE_P, mask=in_j & pre, other=0), row)
+    tl.store(out_ptr + b * (P + K) + j, row, mask=in_j)
 
 
 @triton.jit
 def _scatter_rows_kernel(
-    table_ptr, rows_ptr, index_ptr, pos_ptr, C, R, ROW_STRIDE, COL_STRIDE, TABLE_STRIDE,
-    RING: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    table_ptr, rows_ptr, index_ptr, pos_ptr, bias_ptr, bias_index_ptr, C, R, ROW_STRIDE, COL_STRIDE, TABLE_STRIDE,
+    BIAS_STRIDE, RING: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -73,6 +90,9 @@ def _scatter_rows_kernel(
         dst = dst * R + tl.load(pos_ptr + b) % R
     ok = c < C
     v = tl.load(rows_ptr + b * ROW_STRIDE + c * COL_STRIDE, mask=ok)
+    if HAS_BIAS:  # the row plus its bias row: one fp32 addition, as torch sums two tensors promoting to fp32
+        bias_row = tl.load(bias_index_ptr + b)
+        v = v.to(tl.float32) + tl.load(bias_ptr + bias_row * BIAS_STRIDE + c, mask=ok).to(tl.float32)
     tl.store(table_ptr + dst * TABLE_STRIDE + c, v.to(table_ptr.dtype.element_ty), mask=ok)
 
 
@@ -98,32 +118,48 @@ def ring_rows_triton(
     return out
 
 
-def paged_rows_triton(ids: torch.Tensor, tables: torch.Tensor, rows_per_block: int, offset: int = 0) -> torch.Tensor:
+def paged_rows_triton(
+    ids: torch.Tensor | int,
+    tables: torch.Tensor,
+    rows_per_block: int,
+    offset: int = 0,
+    limit: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The op (contract in ``__init__.py``)."""
-    require_same_device(ids, tables)
-    rows, k = ids.shape
-    out = torch.empty(rows, k, dtype=torch.int64, device=ids.device)
+    count = not isinstance(ids, torch.Tensor)
+    require_same_device(tables, *[t for t in (None if count else ids, limit, prefix) if t is not None])
+    rows = tables.shape[0]
+    k = ids if count else ids.shape[1]
+    p = 0 if prefix is None else prefix.shape[1]
+    out = torch.empty(rows, p + k, dtype=torch.int64, device=tables.device)
     if out.numel():
-        block, warps = _block(k)
-        grid = (rows, triton.cdiv(k, block))
-        table_ptr = tables if tables.numel() else ids  # width 0: never read, any valid pointer
+        block, warps = _block(p + k)
+        grid = (rows, triton.cdiv(p + k, block))
+        ids_t = out if count else ids  # COUNT: never read
+        table_ptr = tables if tables.numel() else out  # width 0: never read, any valid pointer
+        pre = prefix if prefix is not None else out
         _paged_rows_kernel[grid](
-            ids, table_ptr, out, k, tables.shape[1], rows_per_block, offset,
-            ids.stride(0), ids.stride(1), tables.stride(0), tables.stride(1),
-            BLOCK=block, num_warps=warps, **pdl_options(ids.device),
+            ids_t, table_ptr, limit if limit is not None else out, pre, out, k, p, tables.shape[1], rows_per_block,
+            offset, ids_t.stride(0), ids_t.stride(1), tables.stride(0), tables.stride(1), pre.stride(0),
+            pre.stride(1), COUNT=count, HAS_LIMIT=limit is not None, HAS_PREFIX=prefix is not None, BLOCK=block,
+            num_warps=warps, **pdl_options(tables.device),
         )  # fmt: skip
     return out
 
 
-def _scatter(table, rows, index, pos, ring: int) -> None:
-    require_same_device(table, rows, index, pos)
+def _scatter(table, rows, index, pos, ring: int, bias=None, bias_index=None) -> None:
+    require_same_device(table, rows, index, pos, *([] if bias is None else [bias, bias_index]))
     b, c = rows.shape
     if b == 0 or c == 0:
         return
     block, warps = _block(c)
+    has_bias = bias is not None
     _scatter_rows_kernel[(b, triton.cdiv(c, block))](
-        table, rows, index.contiguous(), pos.contiguous(), c, max(ring, 1), rows.stride(0), rows.stride(1),
-        table.stride(0), RING=ring > 0, BLOCK=block, num_warps=warps, **pdl_options(table.device),
+        table, rows, index.contiguous(), pos.contiguous(), bias if has_bias else rows,
+        bias_index.contiguous() if has_bias else index, c, max(ring, 1), rows.stride(0), rows.stride(1),
+        table.stride(0), bias.stride(0) if has_bias else 0, RING=ring > 0, HAS_BIAS=has_bias, BLOCK=block,
+        num_warps=warps, **pdl_options(table.device),
     )  # fmt: skip
 
 
@@ -132,9 +168,16 @@ def scatter_rows_triton(table: torch.Tensor, rows: torch.Tensor, index: torch.Te
     _scatter(table, rows, index, index, 0)
 
 
-def ring_scatter_triton(buffer: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+def ring_scatter_triton(
+    buffer: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    bias_index: torch.Tensor | None = None,
+) -> None:
     """The op (contract in ``__init__.py``): ``buffer`` [S, R, C] as the flat table [S R, C]."""
-    _scatter(buffer.view(-1, buffer.shape[-1]), rows, slots, pos, buffer.shape[1])
+    _scatter(buffer.view(-1, buffer.shape[-1]), rows, slots, pos, buffer.shape[1], bias, bias_index)
 
 
 for _name, _fn in (
