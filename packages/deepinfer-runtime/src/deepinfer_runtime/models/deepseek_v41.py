@@ -352,6 +352,12 @@ class Compressor(nn.Module):
         return self.norm(kv_compress_pool_rows(kv, score, rows, 0, kv.shape[-1]).to(dtype))
 
 
+def pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """ids [S, k] (k <= width) padded with -1 to [S, width]; as they are when k = width (F.pad would copy them: a
+    launch on every decode step once the context holds index_topk entries)."""
+    return ids if ids.shape[1] == width else F.pad(ids, (0, width - ids.shape[1]), value=-1)
+
+
 class Indexer(nn.Module):
     """Index-source indexer: queries (+ keys on KV sources) and the per-head weights."""
 
@@ -444,7 +450,7 @@ class Attention(nn.Module):
         """Top-k entry ids [S, index_topk] (ascending, -1 padded to a fixed width) among visible entries."""
         visible = ((pos + 1) // self.ratio)[None]
         picked = indexer_topk(scores[None], visible, self.indexer.topk, None if cand is None else cand[None])[0]
-        return F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
+        return pad_ids(picked, self.indexer.topk)
 
     def candidates(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         visible = ((pos + 1) // self.ratio)[None]
@@ -568,7 +574,7 @@ class Attention(nn.Module):
                     scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
                 )
             picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
-            shared[("topk", self.layer)] = F.pad(picked, (0, self.indexer.topk - picked.shape[1]), value=-1)
+            shared[("topk", self.layer)] = pad_ids(picked, self.indexer.topk)
         key = ("kv", self.kv_source)  # the entries are read in place, from the pool
         # the row table [window rows | pool rows of the picked entries] in one launch
         rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0], prefix=win_ids)
