@@ -15,9 +15,10 @@ expert's down projection, V4.1's Engram value projection) at 1 and 8 rows: ``tri
 weight-stream tilings (``STREAM_TILINGS``) against cuBLAS, CUDA graphs of calls on rotating weight copies (each call
 streams its weight from HBM, as in a decode step), GB/s of the weight and % of copy; the best tiling per shape last.
 
-``--many``: ``linear_many`` at 1, 2 and 8 rows on the sets of projections a V4 / V4.1 decode step makes of one
-input (an attention layer's, a shared expert's gate and up), CUDA graphs: one launch (``triton_skinny``) against
-one ``linear`` per weight (the ``loop`` backend: skinny / cuBLAS each), GB/s of all the weights.
+``--many``: ``linear_many`` at 1-256 rows on the sets of projections a V4 / V4.1 decode step makes of one input (an
+attention layer's, a shared expert's gate and up), CUDA graphs: one launch (``triton_skinny``) against one ``linear``
+per weight (the ``loop`` backend: skinny / cuBLAS each), GB/s of all the weights and, for the sets it serves from 16
+rows on, TFLOP/s and the best of ``MID_TILINGS`` (the mid-size tiling's candidates, K split by the backend's rule).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from deepinfer_kernels.ops.linear.reference import linear_ref  # noqa: E402
 from deepinfer_kernels.ops.linear.triton import linear_triton_fixed  # noqa: E402
 from deepinfer_kernels.ops.linear.triton_skinny import Tiling, even_k_split, linear_skinny, serves  # noqa: E402
 from deepinfer_kernels.ops.linear_many.reference import linear_many_loop  # noqa: E402
-from deepinfer_kernels.ops.linear_many.triton import linear_many_skinny  # noqa: E402
+from deepinfer_kernels.ops.linear_many.triton import k_splits, linear_many_skinny  # noqa: E402
+from deepinfer_kernels.ops.linear_many.triton import serves as many_serves  # noqa: E402
 
 # (name, N, K, activation dtype): V4.1-Flash dense projections (hidden 5120) in bf16, router and head in fp32
 SHAPES = [
@@ -196,23 +198,38 @@ MANY_SETS = [
 ]
 
 
+# (block_m, block_n, block_k, warps, stages) tried at 16-256 rows
+MID_TILINGS = [(64, 64, 128, 4, 3), (64, 32, 128, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 4, 3), (64, 64, 64, 4, 4)]
+
+
 def many_table(rec, ceil) -> None:
-    print("\n== linear_many, CUDA graphs (us; GB/s and % of copy for all the weights)")
-    cols = ["set", "M", "loop_us", "many_us", "speedup", "many_GBps", "many_%copy"]
-    print("  ".join(f"{c:>20}" for c in cols))
+    print("\n== linear_many, CUDA graphs (us; GB/s and % of copy for all the weights, TFLOP/s)")
+    cols = ["set", "M", "loop_us", "many_us", "speedup", "many_GBps", "many_%copy", "TFLOPs", "best_tiling", "best_us"]
+    print("  ".join(f"{c:>14}" for c in cols))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, k, parts in MANY_SETS:
         ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for n, _ in parts]
+        ns = [n for n, _ in parts]
         dts = [torch.float32 if f else None for _, f in parts]
         nbytes = sum(w.numel() for w in ws) * 2
-        for m in (1, 2, 8):
+        for m in (1, 2, 8, 16, 64, 128, 256):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             loop = graph_us(lambda x=x, ws=ws, dts=dts: linear_many_loop(x, ws, dts))
             many = graph_us(lambda x=x, ws=ws, dts=dts: linear_many_skinny(x, ws, dts))
+            best = ("-", many)
+            if m > 8 and many_serves(x, ws, dts):
+                for bm, bn, bk, warps, stages in MID_TILINGS:
+                    tiles = -(-m // bm) * sum(-(-n // bn) for n in ns)
+                    cfg = Tiling(bn, bk, *k_splits(tiles, k, sms, bk), warps, stages, block_m=bm)
+                    us = graph_us(lambda x=x, ws=ws, dts=dts, cfg=cfg: linear_many_skinny(x, ws, dts, cfg=cfg))
+                    if us < best[1]:
+                        best = (f"{bm}x{bn}x{bk}/{cfg.split}w{warps}s{stages}", us)
             gbs = nbytes / many / 1e3
             row = {"set": name, "M": m, "loop_us": loop, "many_us": many, "speedup": loop / many, "many_GBps": gbs,
-                   "many_%copy": 100 * gbs / ceil["copy_GBps"]}  # fmt: skip
-            rec.add(kind="many", K=k, N=[n for n, _ in parts], **row)
-            print("  ".join(f"{row[c]:>20.4g}" if isinstance(row[c], float) else f"{row[c]:>20}" for c in cols))
+                   "many_%copy": 100 * gbs / ceil["copy_GBps"], "TFLOPs": 2 * m * nbytes / 2 / many / 1e6,
+                   "best_tiling": best[0], "best_us": best[1]}  # fmt: skip
+            rec.add(kind="many", K=k, N=ns, **row)
+            print("  ".join(f"{row[c]:>14.4g}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """``linear_many`` (several projections of one input): the public contract (each output is ``linear`` of its
 weight, bad arguments named), and its one-launch backend (``triton_skinny``) against the reference under Triton's
-interpreter on CPU (mixed bf16 / fp32 outputs, ragged N and K, 1-8 rows, one K split and several) and on CUDA at
-the V4 / V4.1-Flash decode sets it serves, with fresh random inputs; determinism, CUDA-graph replays (the shared
-arrival counters are left at zero), the fallbacks to the per-weight loop, and the registry's choice."""
+interpreter on CPU (mixed bf16 / fp32 outputs, ragged N and K, 1-8 rows, one K split and several; 40-70 rows in the
+mid-size tiling, several row blocks and K splits at once) and on CUDA at the V4 / V4.1-Flash decode sets it serves
+(1-256 rows), with fresh random inputs; determinism, CUDA-graph replays (the shared arrival counters are left at
+zero), the fallbacks to the per-weight loop, and the registry's choice."""
 
 import pytest
 import torch
@@ -74,12 +75,53 @@ INTERP_CASES = {
         ("bfloat16", 1, 1100, [64, 33, 40], [False, True, True]),  # three K splits, the last ragged; ragged N
         ("bfloat16", 8, 512, [32, 96], [True, False]),  # one split (no fixup), 8 rows
         ("float16", 3, 700, [8, 16, 24, 32, 40, 48, 56, 64], [i % 2 == 0 for i in range(8)]),  # all eight slots
+        ("bfloat16", 70, 600, [100, 64], [False, True]),  # the mid-size tiling: 64-row tiles, a ragged second one
     )
 }
 
 
+def _interp_mid_forced(m: int, k: int, ns: list, block_m: int, k_split: int) -> None:
+    """A mid-size tiling forced through ``cfg``: several row blocks and K splits at once, so each (row, column)
+    block's counter and partials are its own (a shared counter would let one block add another's partials)."""
+    from deepinfer_kernels.ops.linear_many import triton as many
+
+    x, ws = _set(m, k, ns, torch.bfloat16, "cpu", seed=3 * m + k)
+    dts = [F32, None]
+    cfg = many.Tiling(32, 64, k_split, -(-k // k_split), 4, 2, block_m=block_m)
+    outs = many.linear_many_skinny(x, ws, dts, cfg=cfg)
+    for i, (o, w, d) in enumerate(zip(outs, ws, dts)):
+        want = linear_ref(x.float(), w.float()) if d else linear_ref(x, w)
+        assert_rel_close(o, want, 1e-5 if d else 1e-2, f"forced mid part {i} {m}x{w.shape[0]}x{k}")
+    for o, a in zip(outs, many.linear_many_skinny(x, ws, dts, cfg=cfg)):
+        assert_bitwise(a, o, "a second call")
+
+
+INTERP_CASES["mid-forced-40x700"] = ("_interp_mid_forced", (40, 700, [48, 40], 16, 256))  # 3 row blocks, 3 splits
+
+
 if triton_importable():  # every case in one TRITON_INTERPRET=1 child process
     test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)
+
+
+def test_tilings_and_what_it_serves():
+    pytest.importorskip("triton")
+    from deepinfer_kernels.ops.linear_many import triton as many
+
+    T = many.Tiling
+    assert many.skinny_tiling(4096) == T(32, 128, 512, 8, block_m=16)
+    assert many.skinny_tiling(200) == T(32, 128, 256, 1, block_m=16)
+    v4_csa = [1024, 512, 1024, 1024, 64, 256, 256]  # 65 column blocks of 64
+    assert many.mid_tiling(16, v4_csa, 4096, 132) == T(64, 128, 2048, 2, 4, 3, block_m=64)  # 65 tiles: two K splits
+    assert many.mid_tiling(128, v4_csa, 4096, 132) == T(64, 128, 4096, 1, 4, 3, block_m=64)  # 2 row blocks: 130 tiles
+    assert many.mid_tiling(256, v4_csa, 4096, 132) == T(64, 128, 4096, 1, 4, 3, block_m=128)  # 130 tiles: one wave
+    assert many.mid_tiling(9, [64], 4096, 132) == T(64, 128, 512, 8, 4, 3, block_m=64)  # splits of at least 512 columns
+    assert many.mid_tiling(256, [1024, 512], 4096, 132) == T(64, 128, 4096, 1, 4, 3, block_m=64)  # 96 tiles of 64 rows
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x = lambda m: torch.empty(m, 4096, **meta)  # noqa: E731
+    attn, shared = [torch.empty(n, 4096, **meta) for n in v4_csa], [torch.empty(2048, 4096, **meta)] * 2
+    assert many.serves(x(256), attn, [None] * 7) and not many.serves(x(257), attn, [None] * 7)
+    assert many.serves(x(8), shared, [None] * 2) and not many.serves(x(9), shared, [None] * 2)
+    assert not many.serves(x(4).float(), attn, [None] * 7)  # fp32 x: the loop
 
 
 # ---- CUDA: the decode sets the models use ----
@@ -95,13 +137,16 @@ SETS = {  # (K, [(N, fp32 out)]) of one normed input
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SETS))
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 64, 100, 256])
 def test_gpu_matches_reference(name, m):
     from deepinfer_kernels.ops.linear_many import triton as many
 
     k, parts = SETS[name]
     x, ws = _set(m, k, [n for n, _ in parts], torch.bfloat16, "cuda", seed=m + k)
     dts = [F32 if f else None for _, f in parts]
+    if m > 8 and "shared" in name:  # 2048-2304-row weights past 8 rows: the per-weight loop
+        assert not many.serves(x, ws, dts)
+        return
     assert many.serves(x, ws, dts)
     outs = many.linear_many_skinny(x, ws, dts)
     want = linear_many_ref(x, ws, dts)
@@ -134,9 +179,9 @@ def test_gpu_graph_replays_fallbacks_and_registry():
         torch.cuda.synchronize()
         for o, e in zip(outs, eager):
             assert_bitwise(o, e, "graph replay")
-    # 16 rows, a weight past MAX_PART_N, nine weights: the per-weight loop, bitwise
-    x16, _ = _set(16, k, [], torch.bfloat16, "cuda", seed=6)
-    for args in ((x16, ws, dts), (x, ws + [ws[0].repeat(5, 1)], dts + [None]), (x, ws + ws[:2], dts + dts[:2])):
+    # 257 rows, a weight past MAX_PART_N, nine weights: the per-weight loop, bitwise
+    x257, _ = _set(257, k, [], torch.bfloat16, "cuda", seed=6)
+    for args in ((x257, ws, dts), (x, ws + [ws[0].repeat(5, 1)], dts + [None]), (x, ws + ws[:2], dts + dts[:2])):
         assert not many.serves(*args)
         for o, r in zip(many.linear_many_skinny(*args), linear_many_loop(*args)):
             assert_bitwise(o, r, "fallback")

@@ -56,13 +56,14 @@ STREAM_BLOCK_N, STREAM_K_SPLIT = 128, 2048
 
 @triton.jit
 def skinny_tile(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, tile, pid_k, M, N, K, K_SPLIT, SPLIT, WS_N, ws_col,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, tile, pid_k, M, N, K, K_SPLIT, SPLIT, WS_N, ws_col, m0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Column block ``tile`` of out = x w^T ([M, K] x [N, K]^T), K split ``pid_k``: partials go to columns
-    ``ws_col`` + of the fp32 workspace [SPLIT, M, WS_N]; ``cnt_ptr`` is this block's arrival counter (several
-    weights can share one workspace and counter set: ``linear_many``)."""
-    rm = tl.arange(0, BLOCK_M)
+    """Rows [m0, m0 + BLOCK_M) of column block ``tile`` of out = x w^T ([M, K] x [N, K]^T, both contiguous), K
+    split ``pid_k``: partials go to columns ``ws_col`` + of the fp32 workspace [SPLIT, M, WS_N]; ``cnt_ptr`` is this
+    (row, column) block's arrival counter (several weights can share one workspace and counter set:
+    ``linear_many``)."""
+    rm = m0 + tl.arange(0, BLOCK_M)
     rn = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -106,7 +107,7 @@ def _skinny_kernel(
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     skinny_tile(
-        x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr + pid_n, pid_n, tl.program_id(1), M, N, K, K_SPLIT, SPLIT, N, 0,
+        x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr + pid_n, pid_n, tl.program_id(1), M, N, K, K_SPLIT, SPLIT, N, 0, 0,
         BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT,
     )  # fmt: skip
 
@@ -128,7 +129,8 @@ def counter_block(device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True)
 class Tiling:
     """How one launch cuts an [N, K] weight: programs of ``block_n`` weight rows x ``k_split`` columns (``split``
-    of them along K, the last one ragged), K walked in ``block_k`` steps; ``warps`` / ``stages`` of the launch."""
+    of them along K, the last one ragged), K walked in ``block_k`` steps; ``warps`` / ``stages`` of the launch;
+    ``block_m`` rows of x a program takes (``linear`` one tile of BLOCK_M, ``linear_many`` up to 128)."""
 
     block_n: int
     block_k: int
@@ -136,6 +138,7 @@ class Tiling:
     split: int
     warps: int = 4
     stages: int = 4
+    block_m: int = BLOCK_M
 
 
 def even_k_split(k: int, most: int, block_k: int) -> tuple[int, int]:
