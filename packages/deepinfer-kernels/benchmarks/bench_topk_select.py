@@ -4,11 +4,15 @@ pass counted, though the kernel streams the row five times) as % of the copy cei
 to torch.topk (which returns unsorted values + indices and applies no masking; our op also sorts and
 pads). Then the decode indexer's rows (N = 1K / 4K / 8K: context / ratio at 4K-32K tokens) replayed from CUDA
 graphs, the register-resident kernel against the streaming one (``block_row_max=0``) and torch.topk, and a sweep
-of the register kernel's warps.
+of the register kernel's warps. ``--long``: only the decode indexer's rows past the register kernel (N = 16K / 32K:
+V4.1's ratio-2 and ratio-1 sources at 32K tokens), in CUDA graphs: the split kernel (pieces of 4096 / 2048 entries)
+against the stream and torch.topk, with a table.
 
-Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py``.
+Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
+
+import argparse
 
 import torch
 from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us
@@ -19,7 +23,13 @@ K = 512
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--long", action="store_true", help="only the decode rows past the register kernel")
+    args = ap.parse_args()
     rec = Recorder("bench_topk_select")
+    if args.long:
+        long_rows(rec)
+        return
     ceiling = copy_ceiling_gbs()
     rec.add(case="copy_ceiling", gbs=ceiling)
     for n in (8192, 32768, 131072):
@@ -58,6 +68,25 @@ def decode_rows(rec: Recorder) -> None:
                 )
             finally:
                 backend.block_row_config = saved
+
+
+def long_rows(rec: Recorder) -> None:
+    """Decode rows past the register kernel, in CUDA graphs: split (two piece sizes) vs stream vs torch.topk."""
+    print(f"{'N':>6} {'rows':>5} {'split4096':>10} {'split2048':>10} {'stream':>8} {'torch':>8}  (us)")
+    for n in (16384, 32768):
+        for rows in (1, 8, 64, 256):
+            x = torch.relu(torch.randn(rows, n, device="cuda"))
+            lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
+            us = {
+                f"split{c}": graph_us(lambda x=x, lengths=lengths, c=c: topk_select_triton(x, K, lengths, chunk=c))
+                for c in (4096, 2048)
+            }
+            us["stream"] = graph_us(lambda x=x, lengths=lengths: topk_select_triton(x, K, lengths, chunk=0))
+            us["torch"] = graph_us(lambda x=x: torch.topk(x, K, dim=-1, sorted=False))
+            same = torch.equal(topk_select_triton(x, K, lengths), topk_select_triton(x, K, lengths, chunk=0))
+            rec.add(case="long_rows", n=n, rows=rows, same_rows=same, **{f"{k}_us": v for k, v in us.items()})
+            print(f"{n:>6} {rows:>5} " + " ".join(f"{us[k]:>10.1f}" for k in ("split4096", "split2048"))
+                  + f" {us['stream']:>8.1f} {us['torch']:>8.1f}  same={same}")  # fmt: skip
 
 
 def sweep(rec: Recorder) -> None:

@@ -1,8 +1,10 @@
-"""topk_select: the reference's contract (against indexer_topk's reference), and the Triton radix
-select under the interpreter on CPU at small shapes and on CUDA at indexer shapes (k = 512 of
-N = 1K..128K), both kernels (rows held in registers up to ``BLOCK_ROW_MAX`` entries, streamed past it;
-``block_row_max=0`` forces the stream). Selection is exact, so every comparison is bitwise equality of the
-index rows, including ties (lower index wins), -inf / NaN / masked entries and rows with fewer than k entries."""
+"""topk_select: the reference's contract (against indexer_topk's reference), and the Triton radix select under the
+interpreter on CPU at small shapes and on CUDA at indexer shapes (k = 512 of N = 1K..128K), all three kernels (rows
+held in registers up to ``BLOCK_ROW_MAX`` entries; past it, split into pieces whose candidates the row's last piece
+selects from, or streamed: ``block_row_max=0`` skips the register kernel, ``chunk`` sizes the pieces, 0 forces the
+stream; ``split_programs`` caps rows x pieces). Selection is exact, so every comparison is bitwise equality of the
+index rows, including ties (lower index wins, also across pieces), -inf / NaN / masked entries and rows with fewer
+than k entries."""
 
 import pytest
 import torch
@@ -52,26 +54,39 @@ def test_reference_matches_indexer_topk_and_breaks_ties_by_index():
 
 
 triton = pytest.importorskip("triton")
-from deepinfer_kernels.ops.topk_select.triton import topk_select_triton  # noqa: E402
+from deepinfer_kernels.ops.topk_select.triton import split_config, topk_select_triton  # noqa: E402
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 
-def _interp_matches_reference(k: int, with_lengths: bool, block_row_max: int) -> None:
+def _interp_matches_reference(k: int, with_lengths: bool, block_row_max: int, chunk: int) -> None:
     x, lengths = _hard_rows(3000, k)
     lengths = lengths if with_lengths else None
-    got = topk_select_triton(x, k, lengths, block_row_max=block_row_max)
+    got = topk_select_triton(x, k, lengths, block_row_max=block_row_max, chunk=chunk)
     assert torch.equal(got, topk_select_ref(x, k, lengths))
+    if chunk:  # twice: the last piece left the counters at zero
+        assert torch.equal(topk_select_triton(x, k, lengths, block_row_max=block_row_max, chunk=chunk), got)
 
 
-def _interp_strided_rows_and_invariance(block_row_max: int) -> None:
+def _interp_strided_rows_and_invariance(block_row_max: int, chunk: int) -> None:
     x, lengths = _hard_rows(2100, 3)
     wide = torch.zeros(12, 2500)
     wide[:, :2100] = x
     view = wide[:, :2100]  # row stride 2500
-    batch = topk_select_triton(view, 64, lengths, block_row_max=block_row_max)
+    batch = topk_select_triton(view, 64, lengths, block_row_max=block_row_max, chunk=chunk)
     assert torch.equal(batch, topk_select_ref(x, 64, lengths))
-    alone = topk_select_triton(x[9:10], 64, lengths[9:10], block_row_max=block_row_max)[0]
+    alone = topk_select_triton(x[9:10], 64, lengths[9:10], block_row_max=block_row_max, chunk=chunk)[0]
     assert torch.equal(alone, batch[9])
+
+
+def _interp_ties_across_pieces() -> None:
+    """Ties at the k-th key spread over several pieces: the lowest indices of the row win, so a piece's own
+    choice among its ties must not decide (each piece here holds more ties than k)."""
+    x = torch.full((3, 1000), 1.0)
+    x[1, ::3] = 2.0  # 334 entries above the tie value: k = 400 takes 66 of the ties
+    x[2, 700:] = float("-inf")
+    for k in (50, 400):
+        got = topk_select_triton(x, k, block_row_max=0, chunk=128)
+        assert torch.equal(got, topk_select_ref(x, k)), k
 
 
 def _interp_short_rows() -> None:
@@ -81,16 +96,19 @@ def _interp_short_rows() -> None:
         assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths)), (n, k)
 
 
-KERNELS = {"block": 8192, "stream": 0}  # block_row_max: rows of 3000 / 2100 in registers, or streamed
+# (block_row_max, chunk): rows of 3000 / 2100 in registers, in 512-entry pieces (6 / 5 of them; k = 5000 is more
+# than a piece: streamed), or streamed
+KERNELS = {"block": (8192, 4096), "split": (0, 512), "stream": (0, 0)}
 INTERP_CASES = {
-    f"{kern}-k{k}-{'lengths' if lens else 'full'}": ("_interp_matches_reference", (k, lens, KERNELS[kern]))
+    f"{kern}-k{k}-{'lengths' if lens else 'full'}": ("_interp_matches_reference", (k, lens, *KERNELS[kern]))
     for kern in KERNELS
     for k in (1, 16, 512, 5000)
     for lens in (True, False)
 }
-for _kern, _max in KERNELS.items():
-    INTERP_CASES[f"{_kern}-strided-invariance"] = ("_interp_strided_rows_and_invariance", (_max,))
+for _kern, _cfg in KERNELS.items():
+    INTERP_CASES[f"{_kern}-strided-invariance"] = ("_interp_strided_rows_and_invariance", _cfg)
 INTERP_CASES["short-rows"] = ("_interp_short_rows", ())
+INTERP_CASES["split-ties-across-pieces"] = ("_interp_ties_across_pieces", ())
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -113,8 +131,13 @@ def test_gpu_matches_reference(n):
     assert torch.equal(out, topk_select_ref(x, 512, lengths))
     for r in (0, 3, 40):
         assert torch.equal(topk_select_triton(x[r : r + 1].clone(), 512, lengths[r : r + 1])[0], out[r]), r
-    if n <= 8192:  # the register-resident kernel served it: the stream gives the same rows
-        assert torch.equal(topk_select_triton(x, 512, lengths, block_row_max=0), out)
+    # the other kernels give the same rows: the split one (pieces of 4096 / 2048 entries, whatever the rows), the
+    # stream
+    assert torch.equal(topk_select_triton(x, 512, lengths, block_row_max=0, chunk=0), out)
+    for chunk in (4096, 2048):
+        if split_config(n, 512, chunk):
+            got = topk_select_triton(x, 512, lengths, block_row_max=0, chunk=chunk, split_programs=1 << 20)
+            assert torch.equal(got, out), chunk
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import os
 import torch
 
 PDL_ENV = "DEEPINFER_PDL"  # "0" turns programmatic dependent launch off (``pdl_options``)
+COUNTERS = 1 << 14  # arrival counters a launch may use (``counter_block``)
 
 
 @functools.cache
@@ -76,3 +77,20 @@ def _pdl_options(index: int) -> dict:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return {}
     return {"PDL": True, "launch_pdl": True}
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def counter_block(device: torch.device) -> torch.Tensor:
+    """COUNTERS zeroed int32 arrival counters, one set per (device, stream), for kernels whose last program of a
+    group finishes the group's work (split-K sums, a row's final selection): each launch leaves its counters at
+    zero again, so graph replays need no memset. Kernels of one stream share the set (with programmatic dependent
+    launch a kernel touches memory only after the one before it completed); kernels on two streams may run at once,
+    hence one set per stream."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None:
+        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf

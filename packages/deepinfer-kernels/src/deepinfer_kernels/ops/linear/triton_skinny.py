@@ -38,7 +38,13 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import (
+    COUNTERS,
+    counter_block,
+    interpreting,
+    pdl_options,
+    triton_cuda_available,
+)
 from deepinfer_kernels.registry import register_backend
 
 from .cublas import linear_cublas
@@ -47,7 +53,6 @@ SKINNY_MAX_ROWS = 8  # rows of x (one 16-row tensor-core tile); more go to cuBLA
 SKINNY_MAX_N = 1280  # weight rows served at up to SKINNY_MAX_ROWS rows (32-column blocks)
 SKINNY_WIDE_N, SKINNY_WIDE_ROWS = 2304, 2  # and wider weights up to these at batch 1-2 (64-column blocks)
 BLOCK_M, BLOCK_K, K_SPLIT = 16, 128, 512
-COUNTERS = 1 << 14  # column blocks a launch may use (N / BLOCK_N)
 # weight streams: wider weights of at least STREAM_MIN_ELEMS elements (32 MB in bf16: the q up-projections, output
 # projections and V4.1's Engram values, 67-315 MB) in STREAM_BLOCK_N-row blocks and K splits of up to STREAM_K_SPLIT
 STREAM_MIN_N, STREAM_MIN_ELEMS = SKINNY_WIDE_N + 1, 1 << 24
@@ -110,20 +115,6 @@ def _skinny_kernel(
         x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr + pid_n, pid_n, tl.program_id(1), M, N, K, K_SPLIT, SPLIT, N, 0, 0,
         BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT,
     )  # fmt: skip
-
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def counter_block(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one set per (device, stream): kernels on two streams may run at once; each launch
-    leaves its counters at zero again."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _counters.get(key)
-    if buf is None:
-        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,20 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, sm_count, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import (
+    COUNTERS,
+    counter_block,
+    interpreting,
+    pdl_options,
+    sm_count,
+    triton_cuda_available,
+)
 from deepinfer_kernels.ops.linear.triton_skinny import (
     BLOCK_K,
     BLOCK_M,
-    COUNTERS,
     K_SPLIT,
     SKINNY_MAX_ROWS,
     Tiling,
-    counter_block,
     even_k_split,
     skinny_tile,
 )

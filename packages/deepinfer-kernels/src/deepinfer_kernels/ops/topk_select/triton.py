@@ -18,10 +18,18 @@ Two kernels share these steps (``_keys``, ``_in_bucket``, ``_digit_hist``, ``_na
 * ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
   ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers. At small
   batch the op is one program's latency, and each re-read of the row is a dependent L2 round trip.
-* ``_topk_select_kernel``, longer rows: the row is streamed in ``BLOCK`` chunks, so two to five reads of it
-  (after the first, mostly L2 hits for indexer-size rows). One program per row is latency-bound at small batch
+* ``_topk_select_split_kernel``, longer rows while k is small against them (the decode indexer at 32K tokens:
+  16K-32K entries, k = 512): the row is cut into CHUNK-entry pieces, one program each, read once. Each program
+  selects its piece's top k in registers as above and writes the chosen (key, index) pairs in index order to a
+  workspace; the last program of the row to finish (an arrival counter per row, as ``linear``'s split-K) selects
+  the row's top k among the pieces' P * k candidates, again in registers. Exact: a piece that drops an entry
+  equal to the row's k-th key already holds k entries at or above it, each ahead of it in the tie order, so the
+  row's selection never needs it; and the candidates' order is the row's index order, so the lower index still
+  wins ties and the output stays ascending.
+* ``_topk_select_kernel``, longer rows otherwise: the row is streamed in ``BLOCK`` chunks, so two to five reads of
+  it (after the first, mostly L2 hits for indexer-size rows). One program per row is latency-bound at small batch
   (each tl.histogram pass costs ~90 us for a 128K row on H200, and 2048 bins cost ~4x 256 bins, so wider digits
-  do not pay); DeepSelect's single-read, cluster-split design is the next step.
+  do not pay).
 
 Results are exact (integer counts only), hence bitwise equal to the reference and trivially batch-invariant.
 """
@@ -31,12 +39,24 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import (
+    COUNTERS,
+    counter_block,
+    pdl_options,
+    require_same_device,
+    triton_cuda_available,
+)
 from deepinfer_kernels.registry import register_backend
 
 BLOCK = 2048  # elements per chunk of the row stream
 NUM_WARPS = 8
 BLOCK_ROW_MAX = 8192  # rows up to this many entries are held in registers (``_topk_select_block_kernel``)
+SPLIT_CHUNK = 4096  # entries per program of the split kernel (a row of 32K: 8 programs)
+SPLIT_CAND_MAX = 8192  # the split kernel's candidates (pieces x k) per row, held in registers by the last program
+# and at most this many programs (rows x pieces): past it the stream's one program per row is as fast or faster.
+# H200, CUDA graphs, k = 512 (bench_topk_select.py --long): N = 32K at 1 / 8 / 64 / 256 rows 33 / 32 / 74 / 243 us
+# split against 108 / 114 / 123 / 199 streamed; N = 16K at 64 / 256 rows 41 / 128 against 61 / 101
+SPLIT_MAX_PROGRAMS = 512
 INT_MIN = tl.constexpr(-2147483648)
 
 
@@ -82,18 +102,41 @@ def _narrow(hist, k_rem, prefix, shift):
 
 
 @triton.jit
-def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq):
-    """Write, in index order from position n_sel, the entries ``idx`` whose key is above T's decided bits ``t_hi``
-    (key >> level), or equal to them among the first k_rem such (n_eq of them seen before). Returns the new
-    (n_sel, n_eq)."""
+def _radix(key, in_row, k_rem):
+    """The radix passes over keys held in registers (``in_row``: the entries that exist): (k_rem, the decided high
+    bits of T's unsigned-order key, how many low bits are still undecided)."""
+    prefix = tl.zeros([], dtype=tl.int32)
+    level = tl.full([], 32, dtype=tl.int32)
+    go = tl.full([], 1, dtype=tl.int32)
+    for p in tl.static_range(4):
+        if go != 0:
+            hist = _digit_hist(key, _in_bucket(key, in_row, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
+            k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
+            level = level * 0 + (24 - 8 * p)
+    return k_rem, prefix, level
+
+
+@triton.jit
+def _select(key, valid, t_hi, level, k_rem, n_sel, n_eq):
+    """The entries (in index order from position n_sel) whose key is above T's decided bits ``t_hi`` (key >>
+    level), or equal to them among the first k_rem such (n_eq of them seen before). Returns (selected, their
+    positions, the new n_sel, the new n_eq)."""
     hi = key >> level  # arithmetic shift: monotone in the signed key
     eq = (valid & (hi == t_hi)).to(tl.int32)
     eq_rank = n_eq + tl.cumsum(eq, axis=0) - 1
     sel = (valid & (hi > t_hi)) | ((eq == 1) & (eq_rank < k_rem))
     sel_i = sel.to(tl.int32)
     pos = n_sel + tl.cumsum(sel_i, axis=0) - 1
+    return sel, pos, n_sel + tl.sum(sel_i, axis=0), n_eq + tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq):
+    """``_select``, writing the selected entries' ``idx`` at their positions of ``dst``. Returns the new (n_sel,
+    n_eq)."""
+    sel, pos, n_sel, n_eq = _select(key, valid, t_hi, level, k_rem, n_sel, n_eq)
     tl.store(dst + pos, idx.to(tl.int64), mask=sel)
-    return n_sel + tl.sum(sel_i, axis=0), n_eq + tl.sum(eq, axis=0)
+    return n_sel, n_eq
 
 
 @triton.jit
@@ -116,18 +159,46 @@ def _topk_select_block_kernel(
     idx = tl.arange(0, BLOCK)
     in_row = idx < N
     key, valid = _keys(s_ptr + row * s_stride, idx, N, _row_length(len_ptr, row, N, HAS_LEN))
-    k_rem = tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0))
-    prefix = tl.zeros([], dtype=tl.int32)
-    level = tl.full([], 32, dtype=tl.int32)
-    go = tl.full([], 1, dtype=tl.int32)
-    for p in tl.static_range(4):
-        if go != 0:
-            hist = _digit_hist(key, _in_bucket(key, in_row, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
-            k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
-            level = level * 0 + (24 - 8 * p)
+    k_rem, prefix, level = _radix(key, in_row, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
     zero = tl.zeros([], dtype=tl.int32)
     n_sel, n_eq = _compact(dst, idx, key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
     tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
+
+
+@triton.jit
+def _topk_select_split_kernel(
+    s_ptr, len_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, out_stride, P,
+    HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Piece ``program_id(1)`` (CHUNK entries, read once) of a row: its top K as candidates (key, index) at
+    [row, piece * K ...) of ``ck`` / ``ci`` (INT_MIN keys past the chosen ones); the row's last piece to finish
+    selects the row's top K among its P * K candidates (CAND >= P * K, a power of two) and resets the counter."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    idx = piece * CHUNK + tl.arange(0, CHUNK)
+    in_piece = idx < N
+    key, valid = _keys(s_ptr + row * s_stride, idx, N, _row_length(len_ptr, row, N, HAS_LEN))
+    k_rem, prefix, level = _radix(key, in_piece, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
+    zero = tl.zeros([], dtype=tl.int32)
+    sel, pos, n_sel, _ = _select(key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
+    base = (row * P + piece) * K
+    tl.store(ck_ptr + base + pos, key, mask=sel)
+    tl.store(ci_ptr + base + pos, idx, mask=sel)
+    j = tl.arange(0, CHUNK)
+    tl.store(ck_ptr + base + j, tl.full([CHUNK], INT_MIN, tl.int32), mask=(j >= n_sel) & (j < K))
+    tl.debug_barrier()  # every thread's candidates are written before the one release below
+    if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:  # the row's last piece
+        c = tl.arange(0, CAND)
+        c_in = c < P * K
+        ckey = tl.load(ck_ptr + row * P * K + c, mask=c_in, other=INT_MIN, cache_modifier=".cg")
+        cidx = tl.load(ci_ptr + row * P * K + c, mask=c_in, other=0, cache_modifier=".cg")
+        cvalid = ckey != INT_MIN  # a selectable entry's key never is INT_MIN (only NaN bit patterns map there)
+        k_rem, prefix, level = _radix(ckey, c_in, tl.minimum(K, tl.sum(cvalid.to(tl.int32), axis=0)))
+        dst = out_ptr + row * out_stride
+        n_sel, _ = _compact(dst, cidx, ckey, cvalid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
+        tl.store(dst + c, tl.full([CAND], -1, tl.int64), mask=(c >= n_sel) & (c < tl.minimum(K, N)))
+        tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -187,13 +258,25 @@ def block_row_config(n: int) -> tuple[int, int]:
     return block, 4 if block <= 512 else 8 if block <= 4096 else 16
 
 
+def split_config(n: int, k: int, chunk: int = SPLIT_CHUNK) -> tuple[int, int] | None:
+    """(pieces a row, CAND: the power of two holding their candidates) of the split kernel for rows of n entries
+    and k picks, or None where it does not apply (k above a piece, or more candidates than SPLIT_CAND_MAX)."""
+    pieces = triton.cdiv(n, chunk) if chunk else 0
+    if not chunk or k > chunk or pieces * k > SPLIT_CAND_MAX:
+        return None
+    return pieces, triton.next_power_of_2(pieces * k)
+
+
 def topk_select_triton(
     scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, block: int = BLOCK,
-    num_warps: int = NUM_WARPS, block_row_max: int = BLOCK_ROW_MAX,
+    num_warps: int = NUM_WARPS, block_row_max: int = BLOCK_ROW_MAX, chunk: int = SPLIT_CHUNK,
+    split_programs: int = SPLIT_MAX_PROGRAMS,
 ) -> torch.Tensor:  # fmt: skip
     """The op (contract in ``__init__.py``). Rows of at most ``block_row_max`` entries take the register-resident
-    kernel (its tiling from ``block_row_config``); ``block`` / ``num_warps`` tile the streaming kernel. All three
-    are exposed for the benchmark's sweep (``block_row_max=0`` forces the streaming kernel)."""
+    kernel (its tiling from ``block_row_config``), longer ones the split kernel in ``chunk``-entry pieces
+    (``split_config``; 0 turns it off) while rows x pieces is at most ``split_programs``, or else the streaming
+    kernel, tiled by ``block`` / ``num_warps``. All are exposed for the benchmark's sweep and the tests
+    (``block_row_max=0`` skips the register kernel)."""
     s, n = scores.shape
     width = min(k, n)
     out = torch.empty(s, width, dtype=torch.int64, device=scores.device)
@@ -205,14 +288,27 @@ def topk_select_triton(
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     lens = lengths.contiguous() if lengths is not None else scores  # dummy pointer when absent
+    common = dict(HAS_LEN=lengths is not None, **pdl_options(scores.device))
+    split = split_config(n, width, chunk) if n > block_row_max and s <= COUNTERS else None
+    if split is not None and s * split[0] > split_programs:
+        split = None
     if n <= block_row_max:
-        kernel, (block, num_warps) = _topk_select_block_kernel, block_row_config(n)
+        block, warps = block_row_config(n)
+        _topk_select_block_kernel[(s,)](
+            scores, lens, out, n, width, scores.stride(0), out.stride(0), BLOCK=block, num_warps=warps, **common
+        )
+    elif split is not None:
+        pieces, cand = split
+        ck = torch.empty(s, pieces * width, dtype=torch.int32, device=scores.device)
+        ci = torch.empty_like(ck)
+        _topk_select_split_kernel[(s, pieces)](
+            scores, lens, out, ck, ci, counter_block(scores.device), n, width, scores.stride(0), out.stride(0),
+            pieces, CHUNK=chunk, CAND=cand, num_warps=block_row_config(max(chunk, cand))[1], **common,
+        )  # fmt: skip
     else:
-        kernel = _topk_select_kernel
-    kernel[(s,)](
-        scores, lens, out, n, width, scores.stride(0), out.stride(0),
-        HAS_LEN=lengths is not None, BLOCK=block, num_warps=num_warps, **pdl_options(scores.device),
-    )  # fmt: skip
+        _topk_select_kernel[(s,)](
+            scores, lens, out, n, width, scores.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps, **common
+        )
     return out
 
 
