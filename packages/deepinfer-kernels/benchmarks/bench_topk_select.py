@@ -4,9 +4,9 @@ pass counted, though the kernel streams the row five times) as % of the copy cei
 to torch.topk (which returns unsorted values + indices and applies no masking; our op also sorts and
 pads). Then the decode indexer's rows (N = 1K / 4K / 8K: context / ratio at 4K-32K tokens) replayed from CUDA
 graphs, the register-resident kernel against the streaming one (``block_row_max=0``) and torch.topk, and a sweep
-of the register kernel's warps. ``--long``: only the decode indexer's rows past the register kernel (N = 16K / 32K:
-V4.1's ratio-2 and ratio-1 sources at 32K tokens), in CUDA graphs: the split kernel (pieces of 4096 / 2048 entries)
-against the stream and torch.topk, with a table.
+of the register kernel's warps. ``--long``: only the decode indexer's long rows (N = 8K: V4 at 32K tokens; 16K /
+32K: V4.1's ratio-2 and ratio-1 sources at 32K tokens), in CUDA graphs: the split kernel (pieces of 4096 / 2048
+entries, forced) against the stream (at 8K: the register kernel) and torch.topk, with a table.
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
@@ -71,22 +71,25 @@ def decode_rows(rec: Recorder) -> None:
 
 
 def long_rows(rec: Recorder) -> None:
-    """Decode rows past the register kernel, in CUDA graphs: split (two piece sizes) vs stream vs torch.topk."""
-    print(f"{'N':>6} {'rows':>5} {'split4096':>10} {'split2048':>10} {'stream':>8} {'torch':>8}  (us)")
-    for n in (16384, 32768):
+    """The decode indexer's long rows, in CUDA graphs: the split kernel (two piece sizes, forced at every row
+    count) vs the kernel it would replace (the register kernel at 8K, else the stream) vs torch.topk."""
+    print(f"{'N':>6} {'rows':>5} {'split4096':>10} {'split2048':>10} {'other':>8} {'torch':>8}  (us)")
+    forced = dict(block_row_max=0, split_programs=1 << 20)
+    for n in (8192, 16384, 32768):
+        other = {} if n <= 8192 else {"chunk": 0}
         for rows in (1, 8, 64, 256):
             x = torch.relu(torch.randn(rows, n, device="cuda"))
             lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
             us = {
-                f"split{c}": graph_us(lambda x=x, lengths=lengths, c=c: topk_select_triton(x, K, lengths, chunk=c))
+                f"split{c}": graph_us(lambda x=x, ln=lengths, c=c: topk_select_triton(x, K, ln, chunk=c, **forced))
                 for c in (4096, 2048)
             }
-            us["stream"] = graph_us(lambda x=x, lengths=lengths: topk_select_triton(x, K, lengths, chunk=0))
+            us["other"] = graph_us(lambda x=x, ln=lengths, o=other: topk_select_triton(x, K, ln, **o))
             us["torch"] = graph_us(lambda x=x: torch.topk(x, K, dim=-1, sorted=False))
-            same = torch.equal(topk_select_triton(x, K, lengths), topk_select_triton(x, K, lengths, chunk=0))
+            same = torch.equal(topk_select_triton(x, K, lengths, **forced), topk_select_triton(x, K, lengths, **other))
             rec.add(case="long_rows", n=n, rows=rows, same_rows=same, **{f"{k}_us": v for k, v in us.items()})
             print(f"{n:>6} {rows:>5} " + " ".join(f"{us[k]:>10.1f}" for k in ("split4096", "split2048"))
-                  + f" {us['stream']:>8.1f} {us['torch']:>8.1f}  same={same}")  # fmt: skip
+                  + f" {us['other']:>8.1f} {us['torch']:>8.1f}  same={same}")  # fmt: skip
 
 
 def sweep(rec: Recorder) -> None:

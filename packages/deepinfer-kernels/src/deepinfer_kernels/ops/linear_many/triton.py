@@ -134,7 +134,7 @@ def serves(x: torch.Tensor, weights: list[torch.Tensor], out_dtypes: list) -> bo
         and x.dtype in (torch.bfloat16, torch.float16)
         and all(w.dtype == x.dtype and 0 < w.shape[0] <= MAX_PART_N for w in weights)
         and all(dt in (None, torch.float32) for dt in out_dtypes)
-        and sum(triton.cdiv(w.shape[0], bn) for w in weights) * triton.cdiv(m, 128 if m > 64 else 64) <= COUNTERS
+        and sum(triton.cdiv(w.shape[0], bn) for w in weights) * triton.cdiv(m, 64) <= COUNTERS  # row blocks >= 64
     )
 
 

@@ -13,7 +13,7 @@ One program per row:
    entries inside it (lower index wins: the contract's tie rule), at their running prefix count, so
    the output is ascending without a sort; then -1 fills the rest of the row.
 
-Two kernels share these steps (``_keys``, ``_in_bucket``, ``_digit_hist``, ``_narrow``, ``_compact``):
+Three kernels share these steps (``_keys``; ``_radix`` over ``_in_bucket``, ``_digit_hist``, ``_narrow``; ``_select``):
 
 * ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
   ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers. At small
