@@ -4,7 +4,7 @@ reference that defines correct, plus GPU backends chosen through ``registry``.
 The op index (one import per public op):
 """
 
-from deepinfer_kernels.ops.cache_rows import paged_rows, ring_rows, ring_scatter, scatter_rows
+from deepinfer_kernels.ops.cache_rows import gather_rows, paged_rows, ring_rows, ring_scatter, scatter_rows
 from deepinfer_kernels.ops.engram import (
     compressed_token_map,
     engram_compress_ids,
@@ -76,6 +76,7 @@ __all__ = [
     "kv_compress_pool",
     "kv_compress_pool_rows",
     "overlap_windows",
+    "gather_rows",
     "paged_rows",
     "ring_rows",
     "ring_scatter",

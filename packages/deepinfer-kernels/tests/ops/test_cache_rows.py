@@ -1,16 +1,24 @@
-"""ring_rows / paged_rows / scatter_rows / ring_scatter: the references vs a straightforward Python loop over the
-contract (fresh random inputs: -1 ids, positions before 0, rings that hold nothing yet, every > 1, offsets, ids past
-the table, empty shapes), the argument checks, and the Triton kernels vs the references (integers: exactly equal)
-under Triton's interpreter on CPU (one child process) and on CUDA at a decode step's sizes, also captured in a CUDA
-graph and replayed with new data. The row writes: the kernels against the references bitwise (copies and a
-round-to-nearest cast) at decode shapes on CUDA, and at small shapes in the interpreter (whose casts truncate)."""
+"""ring_rows / paged_rows / scatter_rows / ring_scatter / gather_rows: the references vs a straightforward Python
+loop over the contract (fresh random inputs: -1 ids, positions before 0, rings that hold nothing yet, every > 1,
+offsets, ids past the table, empty shapes), the argument checks, and the Triton kernels vs the references (integers:
+exactly equal) under Triton's interpreter on CPU (one child process) and on CUDA at a decode step's sizes, also
+captured in a CUDA graph and replayed with new data. The row writes: the kernels against the references bitwise
+(copies and a round-to-nearest cast) at decode shapes on CUDA, and at small shapes in the interpreter (whose casts
+truncate). The row gather (token embeddings in every residual stream): bitwise a loop and the reference, on CPU, in
+the interpreter (fp32 / fp16, ragged columns, repeated ids) and on CUDA at the embedding's shape (bf16, 1-256 rows)."""
 
 import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels import paged_rows, ring_rows, ring_scatter, scatter_rows
-from deepinfer_kernels.ops.cache_rows.reference import paged_rows_ref, ring_rows_ref, ring_scatter_ref, scatter_rows_ref
+from deepinfer_kernels import gather_rows, paged_rows, ring_rows, ring_scatter, scatter_rows
+from deepinfer_kernels.ops.cache_rows.reference import (
+    gather_rows_ref,
+    paged_rows_ref,
+    ring_rows_ref,
+    ring_scatter_ref,
+    scatter_rows_ref,
+)
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
 
 
@@ -272,6 +280,39 @@ def test_row_write_argument_errors():
         ring_scatter(buf.view(-1, 8), rows, slots, pos)
 
 
+def test_gather_rows_is_a_loop_and_checks_its_arguments():
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 12, generator=g).to(torch.bfloat16)
+    index = torch.tensor([4, 0, 49, 4], dtype=torch.int64)
+    assert_bitwise(gather_rows(table, index), torch.stack([table[i] for i in index.tolist()]), "rows")
+    streams = gather_rows(table, index, 3)
+    assert streams.shape == (4, 3, 12) and streams.is_contiguous()
+    for b, i in enumerate(index.tolist()):
+        for j in range(3):
+            assert_bitwise(streams[b, j], table[i], f"row {b} copy {j}")
+    assert gather_rows(table, index[:0], 2).shape == (0, 2, 12)
+    with pytest.raises(ValueError, match="index must be int64"):
+        gather_rows(table, index.int())
+    with pytest.raises(ValueError, match="unit stride"):
+        gather_rows(table.t(), index)
+    with pytest.raises(ValueError, match="copies must be an int >= 1"):
+        gather_rows(table, index, 0)
+
+
+def _check_gather(cases, device, seed):
+    from deepinfer_kernels.ops.cache_rows.triton import gather_rows_triton
+
+    for i, (n, c, b, copies, dtype) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + i)
+        table = torch.randn(n, c, generator=g).to(getattr(torch, dtype)).to(device)
+        index = torch.randint(0, n, (b,), generator=g).to(device)
+        if b > 1:
+            index[1] = index[0]  # a repeated id
+        got, want = gather_rows_triton(table, index, copies), gather_rows_ref(table, index, copies)
+        assert got.shape == want.shape and got.is_contiguous()
+        assert_bitwise(got, want, f"gather_rows N={n} C={c} B={b} copies={copies} {dtype}")
+
+
 def _check_writes(cases, device, seed):
     from deepinfer_kernels.ops.cache_rows.triton import ring_scatter_triton, scatter_rows_triton
 
@@ -335,6 +376,20 @@ INTERP_CASES = {
         "_check_writes",
         ([(3, 5, 4, 40, "float32"), (1, 2, 3, 1100, "bfloat16"), (0, 2, 3, 8, "float32")], "cpu", 4),
     ),
+    # ragged columns (1100: two blocks), one copy or four, none (a [B, C] result), no rows
+    "row-gather": (
+        "_check_gather",
+        (
+            [
+                (30, 1100, 5, 4, "float32"),
+                (7, 40, 3, None, "float16"),
+                (9, 16, 1, 1, "float32"),
+                (4, 8, 0, 2, "float32"),
+            ],
+            "cpu",
+            6,
+        ),
+    ),  # fmt: skip
 }
 
 if importlib.util.find_spec("triton") is not None:
@@ -371,12 +426,16 @@ def test_gpu_matches_reference():
         "cuda",
         5,
     )
+    # token embeddings: V4 / V4.1 hidden sizes, hc_mult = 4 streams, a decode step's rows and a DSpark chain's
+    _check_gather([(129280, d, b, 4, "bfloat16") for d in (4096, 5120) for b in (1, 8, 256)], "cuda", 7)
+    _check_gather([(129280, 4096, 17, None, "bfloat16")], "cuda", 8)
     from deepinfer_kernels import registry
-    from deepinfer_kernels.ops.cache_rows.triton import paged_rows_triton, ring_rows_triton
+    from deepinfer_kernels.ops.cache_rows.triton import gather_rows_triton, paged_rows_triton, ring_rows_triton
 
     if not registry.force_reference():  # what a step on CUDA runs
         assert registry.resolve("ring_rows", "cuda") is ring_rows_triton
         assert registry.resolve("paged_rows", "cuda") is paged_rows_triton
+        assert registry.resolve("gather_rows", "cuda") is gather_rows_triton
 
 
 @pytest.mark.gpu

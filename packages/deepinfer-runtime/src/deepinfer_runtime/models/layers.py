@@ -21,6 +21,7 @@ from deepinfer_kernels import (
     fp8_block_dequantize,
     fp8_block_quantize,
     fp8_gemm_nt,
+    gather_rows,
     linear,
     linear_many,
     mhc_collapse_rms_norm,
@@ -132,8 +133,8 @@ class Norm(nn.Module):
 
 def embed_streams(weight: torch.Tensor, ids: torch.Tensor, hc_mult: int) -> torch.Tensor:
     """Token ids [T] -> the residual streams [T, hc_mult, d]: each token's embedding row in every stream, made by
-    one gather (a [T, hc_mult] index) rather than a gather and an expanding copy."""
-    return weight[ids[:, None].expand(-1, hc_mult)]
+    one gather (``gather_rows`` with ``copies``) rather than a gather and an expanding copy."""
+    return gather_rows(weight, ids, hc_mult)
 
 
 def cat_rows(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Cache row ids and row writes of a planned decode step: where each request's ring positions and paged entries
-sit, and the writes of its new rows there (``scatter_rows``, ``ring_scatter``).
+sit, the writes of its new rows there (``scatter_rows``, ``ring_scatter``), and the row gather that starts a step
+(``gather_rows``: the token embeddings, each in every residual stream).
 
 A decode step reads its caches in place (``deepinfer_runtime.decode_batch``): the sliding window and the
 compressors' groups from ring buffers held as one flat row table of num_slots x capacity rows (request b's
@@ -149,6 +150,31 @@ def _check_write(op: str, table: torch.Tensor, rows: torch.Tensor, index: dict[s
     for t in (rows, *index.values()):
         if t.device != table.device:
             raise ValueError(f"{op}: table on {table.device}, an input on {t.device}: one device")
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor, copies: int | None = None) -> torch.Tensor:
+    """``table[index]``: rows of a table by id ([B, C]); with ``copies``, each row ``copies`` times ([B, copies, C],
+    ``table[index[:, None].expand(-1, copies)]``: a token's embedding in each of the hc_mult residual streams).
+
+    Args:
+        table: [N, C] any dtype, unit stride along C (an embedding matrix).
+        index: [B] int64 row ids, 0 <= index < N (the caller checks them: token ids are checked at admission; the
+            GPU kernel does not re-check).
+        copies: None, or an int >= 1.
+
+    Returns:
+        a new contiguous tensor of table's dtype, the same values (a copy: bitwise on every backend).
+    """
+    op = "gather_rows"
+    if table.dim() != 2 or table.stride(-1) != 1:
+        raise ValueError(f"{op}: table must be 2-D [N, C] with unit stride along C, got {tuple(table.shape)}")
+    if index.dim() != 1 or index.dtype != torch.int64 or index.device != table.device:
+        raise ValueError(
+            f"{op}: index must be int64 [B] on {table.device}, got {index.dtype}{tuple(index.shape)} on {index.device}"
+        )
+    if copies is not None:
+        _check_int(op, "copies", copies, 1)
+    return dispatch(op, table.device, table, index, copies)
 
 
 def scatter_rows(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:

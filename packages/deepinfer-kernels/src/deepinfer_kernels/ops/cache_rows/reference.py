@@ -46,6 +46,11 @@ def paged_rows_ref(
     return out if prefix is None else torch.cat([prefix, out], dim=1)
 
 
+@register_reference("gather_rows")
+def gather_rows_ref(table: torch.Tensor, index: torch.Tensor, copies: int | None = None) -> torch.Tensor:
+    return table[index] if copies is None else table[index[:, None].expand(-1, copies)]
+
+
 @register_reference("scatter_rows")
 def scatter_rows_ref(table: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
     table[index] = rows.to(table.dtype)
