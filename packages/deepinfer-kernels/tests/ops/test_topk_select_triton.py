@@ -4,7 +4,7 @@ held in registers up to ``BLOCK_ROW_MAX`` entries; past it, split into pieces wh
 selects from, or streamed: ``block_row_max=0`` skips the register kernel, ``chunk`` sizes the pieces, 0 forces the
 stream; ``split_programs`` caps rows x pieces). Selection is exact, so every comparison is bitwise equality of the
 index rows, including ties (lower index wins, also across pieces), -inf / NaN / masked entries and rows with fewer
-than k entries."""
+than k entries, and a selectable-entry mask read by the kernels (the same rows as -inf written into the scores)."""
 
 import pytest
 import torch
@@ -53,6 +53,18 @@ def test_reference_matches_indexer_topk_and_breaks_ties_by_index():
     assert topk_select(x, 0).shape == (12, 0) and topk_select(x, 1000, lengths).shape == (12, 300)
 
 
+def test_mask_is_minus_infinity_written_into_the_scores():
+    x, lengths = _hard_rows(300, 5)
+    mask = torch.rand(12, 300, generator=torch.Generator().manual_seed(5)) < 0.7
+    want = topk_select_ref(torch.where(mask, x, float("-inf")), 40, lengths)
+    assert torch.equal(topk_select(x, 40, lengths, mask), want)
+    assert torch.equal(topk_select_ref(x, 40, lengths, mask), want)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        topk_select(x, 40, lengths, mask.int())
+    with pytest.raises(ValueError, match="mask must be bool"):
+        topk_select(x, 40, lengths, mask[:, :10])
+
+
 triton = pytest.importorskip("triton")
 from deepinfer_kernels.ops.topk_select.triton import split_config, topk_select_triton  # noqa: E402
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
@@ -63,6 +75,9 @@ def _interp_matches_reference(k: int, with_lengths: bool, block_row_max: int, ch
     lengths = lengths if with_lengths else None
     got = topk_select_triton(x, k, lengths, block_row_max=block_row_max, chunk=chunk)
     assert torch.equal(got, topk_select_ref(x, k, lengths))
+    mask = torch.rand(12, 3000, generator=torch.Generator().manual_seed(k)) < 0.6  # read by the kernel itself
+    masked = topk_select_triton(x, k, lengths, mask, block_row_max=block_row_max, chunk=chunk)
+    assert torch.equal(masked, topk_select_ref(x, k, lengths, mask))
     if chunk:  # twice: the last piece left the counters at zero
         assert torch.equal(topk_select_triton(x, k, lengths, block_row_max=block_row_max, chunk=chunk), got)
 
@@ -126,9 +141,10 @@ def test_gpu_matches_reference(n):
     lengths = torch.randint(0, n + 1, (64,), generator=g, device="cuda")
     lengths[:4] = torch.tensor([0, 100, 511, 512])
     mask = torch.rand(64, n, generator=g, device="cuda") < 0.9
-    x = x.masked_fill(~mask, float("-inf"))  # the V4.1 candidate mask arrives as -inf
-    out = topk_select_triton(x, 512, lengths)
+    out = topk_select_triton(x, 512, lengths, mask)  # the V4.1 candidate mask, read by the kernel
+    x = x.masked_fill(~mask, float("-inf"))  # or written into the scores as -inf: the same rows
     assert torch.equal(out, topk_select_ref(x, 512, lengths))
+    assert torch.equal(topk_select_triton(x, 512, lengths), out)
     for r in (0, 3, 40):
         assert torch.equal(topk_select_triton(x[r : r + 1].clone(), 512, lengths[r : r + 1])[0], out[r]), r
     # the other kernels give the same rows: the split one (pieces of 4096 / 2048 entries, whatever the rows), the

@@ -17,11 +17,14 @@ except ImportError:
     pass
 
 
-def topk_select(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def topk_select(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Indices of the ``k`` largest selectable scores of each row, ascending, then -1 padding.
 
-    Selectable: n < lengths[s] (clamped to [0, N]; all of the row when ``lengths`` is None) and the
-    score is neither NaN nor -inf (callers mask entries by writing -inf).
+    Selectable: n < lengths[s] (clamped to [0, N]; all of the row when ``lengths`` is None), mask[s, n]
+    (when given) and the score is neither NaN nor -inf (so callers may also mask entries by writing -inf;
+    ``mask`` spares them that pass over the scores).
 
     Ties (contract): entries are ranked by (score descending, index ascending), so among equal scores
     the lower index wins; -0.0 and +0.0 are equal. The selection is therefore unique: every backend
@@ -34,6 +37,7 @@ def topk_select(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = Non
         scores: [S, N] fp32, last dim contiguous (row stride free).
         k: int >= 0 (the V4 / V4.1 indexer: 512).
         lengths: optional [S] int64 per-row valid prefix lengths (the indexer's ``visible``).
+        mask: optional bool [S, N] (last dim contiguous), False: not selectable (V4.1's candidate blocks).
 
     Returns:
         [S, min(k, N)] int64 on scores' device. See reference.py.
@@ -46,4 +50,9 @@ def topk_select(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = Non
         raise ValueError(
             f"topk_select: lengths must be int64 [S={scores.shape[0]}], got {lengths.dtype}{tuple(lengths.shape)}"
         )
-    return dispatch("topk_select", scores.device, scores, k, lengths)
+    if mask is not None and (mask.shape != scores.shape or mask.dtype != torch.bool or mask.device != scores.device):
+        raise ValueError(
+            f"topk_select: mask must be bool {tuple(scores.shape)} on {scores.device}, got {mask.dtype}"
+            f"{tuple(mask.shape)} on {mask.device}"
+        )
+    return dispatch("topk_select", scores.device, scores, k, lengths, mask)

@@ -10,7 +10,9 @@ from deepinfer_kernels.registry import register_reference
 
 
 @register_reference("topk_select")
-def topk_select_ref(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def topk_select_ref(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     s, n = scores.shape
     width = min(k, n)
     if width == 0 or s == 0:
@@ -19,6 +21,8 @@ def topk_select_ref(scores: torch.Tensor, k: int, lengths: torch.Tensor | None =
     if lengths is not None:
         entry = torch.arange(n, device=scores.device)
         keep &= entry < lengths.to(scores.device).clamp(0, n).unsqueeze(-1)
+    if mask is not None:
+        keep &= mask
     # + 0.0 turns -0.0 into +0.0 (IEEE), so signed zeros tie like the contract says
     masked = torch.where(keep, scores + 0.0, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :width]

@@ -3,8 +3,8 @@
 One program per row:
 
 1. Every score maps to a 32-bit key whose signed-int order is the float order (negative floats get
-   their 31 low bits flipped; -0.0 becomes +0.0). Non-selectable entries (NaN, -inf, n >= length)
-   get INT32_MIN, below every real key.
+   their 31 low bits flipped; -0.0 becomes +0.0). Non-selectable entries (NaN, -inf, n >= length,
+   False in the optional mask) get INT32_MIN, below every real key.
 2. Up to four histogram passes over 8-bit digits of the key (most significant first, in
    unsigned order, i.e. with the sign bit flipped) narrow down T, the key of the k-th largest entry,
    and how many entries of T's bucket are still needed (``k_rem``); a pass is skipped once the
@@ -61,14 +61,16 @@ INT_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
-def _keys(src, idx, N, length):
+def _keys(src, idx, N, length, msk, HAS_MASK: tl.constexpr):
     """(key, selectable) of row entries ``idx``: the signed-order int32 key of each score, INT_MIN where the entry
-    is not selectable (NaN, -inf, at or past ``length``) or past the row's end N."""
+    is not selectable (NaN, -inf, at or past ``length``, False in the row's mask ``msk``) or past the row's end N."""
     x = tl.load(src + idx, mask=idx < N, other=0.0)
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order = float order
     valid = (idx < length) & (x == x) & (x != float("-inf"))
+    if HAS_MASK:
+        valid = valid & (tl.load(msk + idx, mask=idx < N, other=0) != 0)
     return tl.where(valid, key, INT_MIN), valid
 
 
@@ -149,8 +151,8 @@ def _row_length(len_ptr, row, N, HAS_LEN: tl.constexpr):
 
 @triton.jit
 def _topk_select_block_kernel(
-    s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False
+    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
     """A row of N <= BLOCK entries, read once: the radix passes and the compaction work on its keys in registers."""
     pdl_prologue(PDL)
@@ -158,7 +160,8 @@ def _topk_select_block_kernel(
     dst = out_ptr + row * out_stride
     idx = tl.arange(0, BLOCK)
     in_row = idx < N
-    key, valid = _keys(s_ptr + row * s_stride, idx, N, _row_length(len_ptr, row, N, HAS_LEN))
+    length = _row_length(len_ptr, row, N, HAS_LEN)
+    key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
     k_rem, prefix, level = _radix(key, in_row, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
     zero = tl.zeros([], dtype=tl.int32)
     n_sel, n_eq = _compact(dst, idx, key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
@@ -167,8 +170,8 @@ def _topk_select_block_kernel(
 
 @triton.jit
 def _topk_select_split_kernel(
-    s_ptr, len_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, out_stride, P,
-    HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PDL: tl.constexpr = False,
+    s_ptr, len_ptr, m_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P,
+    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Piece ``program_id(1)`` (CHUNK entries, read once) of a row: its top K as candidates (key, index) at
     [row, piece * K ...) of ``ck`` / ``ci`` (INT_MIN keys past the chosen ones); the row's last piece to finish
@@ -178,7 +181,8 @@ def _topk_select_split_kernel(
     piece = tl.program_id(1)
     idx = piece * CHUNK + tl.arange(0, CHUNK)
     in_piece = idx < N
-    key, valid = _keys(s_ptr + row * s_stride, idx, N, _row_length(len_ptr, row, N, HAS_LEN))
+    length = _row_length(len_ptr, row, N, HAS_LEN)
+    key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
     k_rem, prefix, level = _radix(key, in_piece, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
     zero = tl.zeros([], dtype=tl.int32)
     sel, pos, n_sel, _ = _select(key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
@@ -203,13 +207,14 @@ def _topk_select_split_kernel(
 
 @triton.jit
 def _topk_select_kernel(
-    s_ptr, len_ptr, out_ptr, N, K, s_stride, out_stride, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False
+    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
     """A row of any length, streamed in BLOCK chunks by every pass."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * s_stride
+    msk = m_ptr + row * m_stride
     dst = out_ptr + row * out_stride
     length = _row_length(len_ptr, row, N, HAS_LEN)
     offs = tl.arange(0, BLOCK)
@@ -225,7 +230,7 @@ def _topk_select_kernel(
             n_valid = tl.zeros([], dtype=tl.int32)
             for start in range(0, N, BLOCK):
                 idx = start + offs
-                key, valid = _keys(src, idx, N, length)
+                key, valid = _keys(src, idx, N, length, msk, HAS_MASK)
                 if p == 0:
                     n_valid += tl.sum(valid.to(tl.int32), axis=0)
                     hist += _digit_hist(key, idx < N, 24)
@@ -243,7 +248,7 @@ def _topk_select_kernel(
     n_eq = tl.zeros([], dtype=tl.int32)
     for start in range(0, N, BLOCK):
         idx = start + offs
-        key, valid = _keys(src, idx, N, length)
+        key, valid = _keys(src, idx, N, length, msk, HAS_MASK)
         n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq)
     for start in range(0, K, BLOCK):
         idx = start + offs
@@ -268,7 +273,8 @@ def split_config(n: int, k: int, chunk: int = SPLIT_CHUNK) -> tuple[int, int] | 
 
 
 def topk_select_triton(
-    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, block: int = BLOCK,
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None, *,
+    block: int = BLOCK,
     num_warps: int = NUM_WARPS, block_row_max: int = BLOCK_ROW_MAX, chunk: int = SPLIT_CHUNK,
     split_programs: int = SPLIT_MAX_PROGRAMS,
 ) -> torch.Tensor:  # fmt: skip
@@ -284,31 +290,36 @@ def topk_select_triton(
         return out
     if width == 0:
         return out
-    require_same_device(scores, *([lengths] if lengths is not None else []))
+    require_same_device(scores, *[t for t in (lengths, mask) if t is not None])
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     lens = lengths.contiguous() if lengths is not None else scores  # dummy pointer when absent
-    common = dict(HAS_LEN=lengths is not None, **pdl_options(scores.device))
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    msk = mask if mask is not None else scores  # dummy pointer when absent
+    common = dict(HAS_LEN=lengths is not None, HAS_MASK=mask is not None, **pdl_options(scores.device))
     split = split_config(n, width, chunk) if n > block_row_max and s <= COUNTERS else None
     if split is not None and s * split[0] > split_programs:
         split = None
     if n <= block_row_max:
         block, warps = block_row_config(n)
         _topk_select_block_kernel[(s,)](
-            scores, lens, out, n, width, scores.stride(0), out.stride(0), BLOCK=block, num_warps=warps, **common
-        )
+            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block,
+            num_warps=warps, **common,
+        )  # fmt: skip
     elif split is not None:
         pieces, cand = split
         ck = torch.empty(s, pieces * width, dtype=torch.int32, device=scores.device)
         ci = torch.empty_like(ck)
         _topk_select_split_kernel[(s, pieces)](
-            scores, lens, out, ck, ci, counter_block(scores.device), n, width, scores.stride(0), out.stride(0),
-            pieces, CHUNK=chunk, CAND=cand, num_warps=block_row_config(max(chunk, cand))[1], **common,
+            scores, lens, msk, out, ck, ci, counter_block(scores.device), n, width, scores.stride(0), msk.stride(0),
+            out.stride(0), pieces, CHUNK=chunk, CAND=cand, num_warps=block_row_config(max(chunk, cand))[1], **common,
         )  # fmt: skip
     else:
         _topk_select_kernel[(s,)](
-            scores, lens, out, n, width, scores.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps, **common
-        )
+            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block,
+            num_warps=num_warps, **common,
+        )  # fmt: skip
     return out
 
 
