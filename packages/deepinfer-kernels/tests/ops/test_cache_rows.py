@@ -311,6 +311,8 @@ def _check_gather(cases, device, seed):
         got, want = gather_rows_triton(table, index, copies), gather_rows_ref(table, index, copies)
         assert got.shape == want.shape and got.is_contiguous()
         assert_bitwise(got, want, f"gather_rows N={n} C={c} B={b} copies={copies} {dtype}")
+        strided = torch.stack([index, index.flip(0)], dim=1)[:, 0]  # the same ids as a view of stride 2
+        assert_bitwise(gather_rows_triton(table, strided, copies), want, f"gather_rows strided index N={n} B={b}")
 
 
 def _check_writes(cases, device, seed):

@@ -207,7 +207,7 @@ def gather_rows_triton(table: torch.Tensor, index: torch.Tensor, copies: int | N
     if out.numel():
         block, warps = _block(c)
         _gather_rows_kernel[(b, triton.cdiv(c, block))](
-            table, index, out, c, table.stride(0), COPIES=copies or 1, BLOCK=block, num_warps=warps,
+            table, index.contiguous(), out, c, table.stride(0), COPIES=copies or 1, BLOCK=block, num_warps=warps,
             **pdl_options(table.device),
         )  # fmt: skip
     return out if copies is not None else out.view(b, c)
