@@ -105,11 +105,12 @@ if triton_importable():  # every case in one TRITON_INTERPRET=1 child process
 
 def test_tilings_and_what_it_serves():
     pytest.importorskip("triton")
+    from deepinfer_kernels.ops.linear.triton_skinny import narrow_tiling
     from deepinfer_kernels.ops.linear_many import triton as many
 
     T = many.Tiling
-    assert many.skinny_tiling(4096) == T(32, 128, 512, 8, block_m=16)
-    assert many.skinny_tiling(200) == T(32, 128, 256, 1, block_m=16)
+    assert narrow_tiling(4096, many.BLOCK_N) == T(32, 128, 512, 8, block_m=16)
+    assert narrow_tiling(200, many.BLOCK_N) == T(32, 128, 256, 1, block_m=16)
     v4_csa = [1024, 512, 1024, 1024, 64, 256, 256]  # 65 column blocks of 64
     assert many.mid_tiling(16, v4_csa, 4096, 132) == T(64, 128, 2048, 2, 4, 3, block_m=64)  # 65 tiles: two K splits
     assert many.mid_tiling(128, v4_csa, 4096, 132) == T(64, 128, 4096, 1, 4, 3, block_m=64)  # 2 row blocks: 130 tiles

@@ -139,14 +139,20 @@ def even_k_split(k: int, most: int, block_k: int) -> tuple[int, int]:
     return k_split, triton.cdiv(k, k_split)
 
 
+def narrow_tiling(k: int, block_n: int) -> Tiling:
+    """A narrow weight at up to SKINNY_MAX_ROWS rows of x: ``block_n``-row blocks, K in splits of at most
+    ``K_SPLIT`` columns (latency-bound: many short programs)."""
+    k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
+    return Tiling(block_n, BLOCK_K, k_split, triton.cdiv(k, k_split))
+
+
 def skinny_config(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight: narrow weights (up to ``SKINNY_WIDE_N`` rows) in 32-column blocks (64 past
     ``SKINNY_MAX_N``) and 512-column K splits, latency-bound; wider ones as a weight stream (``STREAM_*``)."""
     if n > SKINNY_WIDE_N:
         k_split, split = even_k_split(k, STREAM_K_SPLIT, BLOCK_K)
         return Tiling(STREAM_BLOCK_N, BLOCK_K, k_split, split, 4, 4 if split == 1 else 3)
-    k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
-    return Tiling(32 if n <= SKINNY_MAX_N else 64, BLOCK_K, k_split, triton.cdiv(k, k_split))
+    return narrow_tiling(k, 32 if n <= SKINNY_MAX_N else 64)
 
 
 def serves(m: int, n: int, k: int | None = None) -> bool:

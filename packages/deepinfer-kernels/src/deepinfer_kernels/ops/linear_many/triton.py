@@ -33,12 +33,10 @@ from deepinfer_kernels.ops._triton_launch import (
     triton_cuda_available,
 )
 from deepinfer_kernels.ops.linear.triton_skinny import (
-    BLOCK_K,
-    BLOCK_M,
-    K_SPLIT,
     SKINNY_MAX_ROWS,
     Tiling,
     even_k_split,
+    narrow_tiling,
     skinny_tile,
 )
 from deepinfer_kernels.registry import register_backend
@@ -51,12 +49,6 @@ BLOCK_N = 32  # weight rows a program takes up to SKINNY_MAX_ROWS rows of x
 MID_MAX_ROWS = 256  # rows of x the mid-size tiling serves; more go to the per-weight loop (cuBLAS)
 MID_MAX_PART_N = 1280  # and only sets of narrow weights: cuBLAS was faster on the shared experts' 2048-2304 rows
 MID_MIN_SPLIT_K = 512  # columns of K a split keeps at least (shorter splits cost more in partials than they add)
-
-
-def skinny_tiling(k: int) -> Tiling:
-    """Up to SKINNY_MAX_ROWS rows: the skinny tile's 16 x 32 tiles and K splits of 512."""
-    k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
-    return Tiling(BLOCK_N, BLOCK_K, k_split, triton.cdiv(k, k_split), block_m=BLOCK_M)
 
 
 def mid_tiling(m: int, ns: list[int], k: int, sms: int) -> Tiling:
@@ -151,7 +143,9 @@ def linear_many_skinny(
     m = a.shape[0]
     mats = [w.contiguous() for w in weights]
     t = cfg or (
-        skinny_tiling(k) if m <= SKINNY_MAX_ROWS else mid_tiling(m, [w.shape[0] for w in mats], k, sm_count(a.device))
+        narrow_tiling(k, BLOCK_N)
+        if m <= SKINNY_MAX_ROWS
+        else mid_tiling(m, [w.shape[0] for w in mats], k, sm_count(a.device))
     )
     outs = [torch.empty(m, w.shape[0], dtype=dt or x.dtype, device=x.device) for w, dt in zip(mats, out_dtypes)]
     ends, total = [], 0
