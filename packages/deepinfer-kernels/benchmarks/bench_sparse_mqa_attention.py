@@ -9,12 +9,18 @@ over an 8K context: TFLOP/s (4 * T * H * K * D) as % of the bf16 matmul ceiling.
 bmm, softmax with the sink, bmm), plus a small tile sweep of the kernel at decode batch 64 and in
 prefill, to retune the backends' defaults.
 
+``--wide``: only the Gluon wide kernel (``gluon.py``: all 64 heads a program, the rows gathered by cp.async into a
+ring of shared buffers) against ``triton_adaptive`` at decode batch 64 / 256 (4K, 32K) and prefill 8K, CUDA-graph
+timed, for each (BLOCK_N, NUM_BUF) it can take, with the largest relative difference to the Triton output.
+
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_sparse_mqa_attention.py``.
 Writes ``benchmarks/results/bench_sparse_mqa_attention.jsonl``.
 """
 
+import argparse
+
 import torch
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops
+from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us, matmul_ceiling_tflops
 from deepinfer_kernels.ops.sparse_mqa_attention import triton as attn
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512
@@ -112,5 +118,46 @@ def sweep(rec: Recorder, copy_gbs: float, mm_tflops: float) -> None:
                         pct_matmul=100 * tf / mm_tflops)  # fmt: skip
 
 
+WIDE_TILINGS = [(64, 2, False), (64, 2, True), (32, 4, False), (32, 4, True), (32, 3, False)]  # BLOCK_N, NUM_BUF, DUP_S
+
+
+def wide_table() -> None:
+    from deepinfer_kernels.ops.sparse_mqa_attention import gluon as wide
+
+    rec = Recorder("bench_sparse_mqa_attention_wide")
+    copy_gbs, mm_tflops = copy_ceiling_gbs(), matmul_ceiling_tflops()
+    rec.add(case="ceilings", copy_gbs=copy_gbs, bf16_matmul_tflops=mm_tflops)
+    print(f"ceilings: copy {copy_gbs:.0f} GB/s, bf16 {mm_tflops:.0f} TFLOP/s")
+    names = [f"g{bn}x{nb}" + ("dup" if dup else "") for bn, nb, dup in WIDE_TILINGS]
+    print(f"{'case':>14} {'triton_us':>10} " + " ".join(f"{n:>10}" for n in names)
+          + f" {'best_%copy':>10} {'best_%bf16':>10} {'max_rel':>8}")  # fmt: skip
+    scale = D**-0.5
+    cases = [(f"decode{b}@{c // 1024}K", make(b, c)) for c in (4096, 32768) for b in (64, 256)]
+    cases.append(("prefill8K", make(1, 8192, queries_per_request=8192)))
+    for label, args in cases:
+        t = args[0].shape[0]
+        a = (*args, scale)
+        ref = attn.sparse_mqa_attention_triton_adaptive(*a).float()
+        base = graph_us(lambda a=a: attn.sparse_mqa_attention_triton_adaptive(*a))
+        times, worst = [], 0.0
+        for bn, nb, dup in WIDE_TILINGS:
+            cfg = dict(block_n=bn, num_buf=nb, dup_s=dup)
+            out = wide.launch_wide(*a, **cfg).float()
+            worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+            times.append(graph_us(lambda a=a, cfg=cfg: wide.launch_wide(*a, **cfg)))
+        best = min(times)
+        gbs = (t * K * D * 2 + 2 * args[0].numel() * 2) / best / 1e3
+        tf = 4 * t * H * K * D / best / 1e6
+        rec.add(case="wide", label=label, triton_us=base, gluon_us=dict(zip(names, times)),
+                best_pct_copy=100 * gbs / copy_gbs, best_pct_bf16=100 * tf / mm_tflops, max_rel=worst)  # fmt: skip
+        print(f"{label:>14} {base:>10.1f} " + " ".join(f"{x:>10.1f}" for x in times)
+              + f" {100 * gbs / copy_gbs:>10.1f} {100 * tf / mm_tflops:>10.1f} {worst:>8.1e}")  # fmt: skip
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--wide", action="store_true", help="only the Gluon wide kernel against triton_adaptive")
+    if ap.parse_args().wide:
+        wide_table()
+    else:
+        main()

@@ -57,3 +57,7 @@ try:  # the Triton backend registers itself on import; triton is optional (CPU-o
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass
+try:  # the Gluon kernel (Hopper) needs a triton with triton.experimental.gluon
+    from . import gluon as _gluon  # noqa: F401
+except ImportError:
+    pass

@@ -126,27 +126,36 @@ def _attn_combine(
     tl.store(o_ptr + t * o_st + h * o_sh + d, (o / denom).to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
+def prepare_call(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Tensor) -> tuple:
+    """What every launcher does first: (q, segments, indices, sinks, out, done). The segments are at most two (the
+    kernels read two in place; more are concatenated), rows unit-stride, sinks fp32, out [T, H, D] in q.dtype;
+    ``done``: out already is the result (no rows, heads or columns: empty; no entries: zeros)."""
+    segments = list(kv) if isinstance(kv, (tuple, list)) else [kv]
+    if len(segments) > 2:
+        segments = [segments[0], torch.cat(segments[1:])]
+    require_same_device(q, *segments, indices, sinks)
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0 or d == 0:
+        return q, segments, indices, sinks, out, True
+    if indices.shape[1] == 0:
+        return q, segments, indices, sinks, out.zero_(), True
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    segments = [s if s.stride(-1) == 1 else s.contiguous() for s in segments]
+    return q, segments, indices.contiguous(), sinks.float().contiguous(), out, False
+
+
 def launch(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float, *,
     split: int | None, block_h: int = 32, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
 ) -> torch.Tensor:  # fmt: skip
     """Run the kernels. ``split``: entries per split (a multiple of ``block_n``), or None for one pass
     per row. The tile arguments are exposed for the benchmark's sweep; the backends fix them."""
-    segments = list(kv) if isinstance(kv, (tuple, list)) else [kv]
-    if len(segments) > 2:  # the kernel reads two segments in place; more are concatenated first
-        segments = [segments[0], torch.cat(segments[1:])]
-    require_same_device(q, *segments, indices, sinks)
+    q, segments, indices, sinks, out, done = prepare_call(q, kv, indices, sinks)
+    if done:
+        return out
     t, h, d = q.shape
     k = indices.shape[1]
-    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
-    if t == 0 or h == 0 or d == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    segments = [s if s.stride(-1) == 1 else s.contiguous() for s in segments]
-    indices = indices.contiguous()
-    sinks = sinks.float().contiguous()
     block_h = max(16, min(block_h, triton.next_power_of_2(h)))  # tl.dot needs M >= 16 (padded heads)
     block_d = triton.next_power_of_2(d)
     prec = "ieee" if q.dtype == torch.float32 or segments[0].dtype == torch.float32 else "tf32"  # tf32: not for bf16
