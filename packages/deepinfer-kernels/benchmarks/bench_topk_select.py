@@ -6,15 +6,19 @@ pads). Then the decode indexer's rows (N = 1K / 4K / 8K: context / ratio at 4K-3
 graphs, the register-resident kernel against the streaming one (``block_row_max=0``) and torch.topk, and a sweep
 of the register kernel's warps. ``--long``: only the decode indexer's long rows (N = 8K: V4 at 32K tokens; 16K /
 32K: V4.1's ratio-2 and ratio-1 sources at 32K tokens), in CUDA graphs: the split kernel (pieces of 4096 / 2048
-entries, forced) against the stream (at 8K: the register kernel) and torch.topk, with a table.
+entries, forced) against the stream (at 8K: the register kernel) and torch.topk, with a table. ``--buckets``: the
+decode rows at the widths a step has them (bucketed block tables: 5120 entries at 4K tokens, 33792 at 32K), the
+registers as a power of two plus a tail against the next power of two, with a table.
 
-Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long]``.
+Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long |
+--buckets]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
 
 import argparse
 
 import torch
+import triton
 from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us
 from deepinfer_kernels.ops.topk_select import triton as backend
 from deepinfer_kernels.ops.topk_select.triton import topk_select_triton
@@ -25,8 +29,12 @@ K = 512
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--long", action="store_true", help="only the decode rows past the register kernel")
+    ap.add_argument("--buckets", action="store_true", help="only the decode rows at bucketed widths: tail vs pow2")
     args = ap.parse_args()
     rec = Recorder("bench_topk_select")
+    if args.buckets:
+        bucket_rows(rec)
+        return
     if args.long:
         long_rows(rec)
         return
@@ -57,17 +65,48 @@ def decode_rows(rec: Recorder) -> None:
             same = torch.equal(topk_select_triton(x, K, lengths), topk_select_triton(x, K, lengths, block_row_max=0))
             rec.add(case="decode_rows", n=n, rows=rows, register_us=reg, stream_us=stream, torch_topk_us=peer,
                     same_rows=same)  # fmt: skip
-    saved = backend.block_row_config
+    saved = backend.register_parts
     for n in (1024, 4096, 8192):
         x = torch.relu(torch.randn(1, n, device="cuda"))
         for warps in (2, 4, 8, 16, 32):
-            backend.block_row_config = lambda m, w=warps: (saved(m)[0], w)
+            backend.register_parts = lambda m, mw=1, w=warps: (*saved(m)[:2], w)
             try:
                 rec.add(
                     case="register_warps", n=n, rows=1, warps=warps, us=graph_us(lambda x=x: topk_select_triton(x, K))
                 )
             finally:
-                backend.block_row_config = saved
+                backend.register_parts = saved
+
+
+def powers_of_two(n: int, min_warps: int = 1) -> tuple[int, int, int]:
+    """``register_parts`` without a tail (before session 19): the next power of two."""
+    full = max(128, triton.next_power_of_2(n))
+    return full, 0, max(min_warps, backend.block_warps(full))
+
+
+def bucket_rows(rec: Recorder) -> None:
+    """The decode indexer's rows as a step has them (as wide as its block tables, bucketed to 8 blocks of 128
+    tokens: 4K tokens -> 5120 entries at ratio 1, 2560 at ratio 2, 1280 at ratio 4; 32K -> 33792 / 16896 / 8448), in
+    CUDA graphs: the registers as a power of two plus a tail (``register_parts``) against the next power of two."""
+    print(f"{'N':>6} {'rows':>5} {'tail':>8} {'pow2':>8} {'torch':>8}  (us)")
+    saved = backend.register_parts
+    for n in (1280, 2560, 5120, 8448, 16896, 33792):
+        for rows in (1, 8, 64, 256):
+            x = torch.relu(torch.randn(rows, n, device="cuda"))
+            lengths = torch.full((rows,), n - 1023, dtype=torch.int64, device="cuda")  # the visible entries
+            us = {"tail": graph_us(lambda x=x, ln=lengths: topk_select_triton(x, K, ln))}
+            want = topk_select_triton(x, K, lengths)
+            backend.register_parts = powers_of_two
+            try:
+                us["pow2"] = graph_us(lambda x=x, ln=lengths: topk_select_triton(x, K, ln))
+                same = torch.equal(topk_select_triton(x, K, lengths), want)
+            finally:
+                backend.register_parts = saved
+            us["torch"] = graph_us(lambda x=x: torch.topk(x, K, dim=-1, sorted=False))
+            rec.add(case="bucket_rows", n=n, rows=rows, same_rows=same, **{f"{k}_us": v for k, v in us.items()})
+            print(
+                f"{n:>6} {rows:>5} " + " ".join(f"{us[k]:>8.1f}" for k in ("tail", "pow2", "torch")) + f"  same={same}"
+            )
 
 
 def long_rows(rec: Recorder) -> None:

@@ -66,8 +66,22 @@ def test_mask_is_minus_infinity_written_into_the_scores():
 
 
 triton = pytest.importorskip("triton")
-from deepinfer_kernels.ops.topk_select.triton import split_config, topk_select_triton  # noqa: E402
+from deepinfer_kernels.ops.topk_select.triton import register_parts, split_config, topk_select_triton  # noqa: E402
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
+
+
+def test_register_parts_cover_rows_in_fewer_registers():
+    """A power-of-two block plus a power-of-two tail (at least a lane each) cover the row, in fewer entries than the
+    next power of two whenever there is a tail; e.g. the 4K decode rows (4096 + a bucket: 5120 / 2560 entries)."""
+    assert register_parts(5120) == (4096, 1024, 8) and register_parts(2560) == (2048, 512, 8)
+    assert register_parts(4096) == (4096, 0, 8) and register_parts(7000) == (8192, 0, 16)
+    for n in list(range(1, 300)) + [511, 513, 600, 1025, 3000, 4097, 6144, 6145, 8192]:
+        block, tail, warps = register_parts(n)
+        full = max(128, triton.next_power_of_2(n))
+        assert block & (block - 1) == 0 and tail & (tail - 1) == 0 and block >= 128, n
+        assert block + tail >= n and block >= 32 * warps, n
+        assert (block + tail < full and tail >= 32 * warps) if tail else block == full, n
+    assert split_config(33792, 512) == (9, 4096, 512, 8)  # V4.1's ratio-1 rows at 32K tokens: 4608 candidates
 
 
 def _interp_matches_reference(k: int, with_lengths: bool, block_row_max: int, chunk: int) -> None:
@@ -133,7 +147,7 @@ test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1024, 4096, 8192, 8193, 32768, 131072])
+@pytest.mark.parametrize("n", [1024, 2560, 4096, 5120, 8192, 8193, 32768, 33792, 131072])
 def test_gpu_matches_reference(n):
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.relu(torch.randn(64, n, generator=g, device="cuda")) * 3  # ReLU-weighted sums: zeros tie

@@ -16,8 +16,10 @@ One program per row:
 Three kernels share these steps (``_keys``; ``_radix`` over ``_in_bucket``, ``_digit_hist``, ``_narrow``; ``_select``):
 
 * ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
-  ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers. At small
-  batch the op is one program's latency, and each re-read of the row is a dependent L2 round trip.
+  ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers, held as a
+  power of two plus a power-of-two tail where that is smaller (``register_parts``: the rows are as wide as the
+  step's bucketed block tables, so often just past a power of two). At small batch the op is one program's
+  latency, and each re-read of the row is a dependent L2 round trip.
 * ``_topk_select_split_kernel``, longer rows while k is small against them (the decode indexer at 32K tokens:
   16K-32K entries, k = 512): the row is cut into CHUNK-entry pieces, one program each, read once. Each program
   selects its piece's top k in registers as above and writes the chosen (key, index) pairs in index order to a
@@ -104,8 +106,9 @@ def _narrow(hist, k_rem, prefix, shift):
 
 
 @triton.jit
-def _radix(key, in_row, k_rem):
-    """The radix passes over keys held in registers (``in_row``: the entries that exist): (k_rem, the decided high
+def _radix(key, in_row, key_t, in_tail, k_rem, TAIL: tl.constexpr):
+    """The radix passes over keys held in registers (``in_row``: the entries that exist), as a power-of-two block
+    plus, when TAIL > 0, a power-of-two tail (``key_t``, ``in_tail``; ignored otherwise): (k_rem, the decided high
     bits of T's unsigned-order key, how many low bits are still undecided)."""
     prefix = tl.zeros([], dtype=tl.int32)
     level = tl.full([], 32, dtype=tl.int32)
@@ -113,6 +116,8 @@ def _radix(key, in_row, k_rem):
     for p in tl.static_range(4):
         if go != 0:
             hist = _digit_hist(key, _in_bucket(key, in_row, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
+            if TAIL > 0:
+                hist += _digit_hist(key_t, _in_bucket(key_t, in_tail, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
             k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
             level = level * 0 + (24 - 8 * p)
     return k_rem, prefix, level
@@ -152,30 +157,47 @@ def _row_length(len_ptr, row, N, HAS_LEN: tl.constexpr):
 @triton.jit
 def _topk_select_block_kernel(
     s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr = 0, PDL: tl.constexpr = False
 ):  # fmt: skip
-    """A row of N <= BLOCK entries, read once: the radix passes and the compaction work on its keys in registers."""
+    """A row of N <= BLOCK + TAIL entries, read once: the radix passes and the compaction work on its keys in
+    registers, entries [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL) (``register_parts``)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
+    src = s_ptr + row * s_stride
+    msk = m_ptr + row * m_stride
     dst = out_ptr + row * out_stride
+    length = _row_length(len_ptr, row, N, HAS_LEN)
     idx = tl.arange(0, BLOCK)
     in_row = idx < N
-    length = _row_length(len_ptr, row, N, HAS_LEN)
-    key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
-    k_rem, prefix, level = _radix(key, in_row, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
+    key, valid = _keys(src, idx, N, length, msk, HAS_MASK)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    if TAIL > 0:
+        idx_t = BLOCK + tl.arange(0, TAIL)
+        in_tail = idx_t < N
+        key_t, valid_t = _keys(src, idx_t, N, length, msk, HAS_MASK)
+        n_valid += tl.sum(valid_t.to(tl.int32), axis=0)
+    else:
+        idx_t, in_tail, key_t, valid_t = idx, in_row, key, valid  # not read
+    k_rem, prefix, level = _radix(key, in_row, key_t, in_tail, tl.minimum(K, n_valid), TAIL)
+    t_hi = (prefix ^ INT_MIN) >> level
     zero = tl.zeros([], dtype=tl.int32)
-    n_sel, n_eq = _compact(dst, idx, key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
+    n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, zero, zero)
+    if TAIL > 0:  # the tail follows the block in index order
+        n_sel, n_eq = _compact(dst, idx_t, key_t, valid_t, t_hi, level, k_rem, n_sel, n_eq)
+        tl.store(dst + idx_t, tl.full([TAIL], -1, tl.int64), mask=(idx_t >= n_sel) & (idx_t < K))
     tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
 
 
 @triton.jit
 def _topk_select_split_kernel(
     s_ptr, len_ptr, m_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P,
-    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+    CAND_TAIL: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Piece ``program_id(1)`` (CHUNK entries, read once) of a row: its top K as candidates (key, index) at
     [row, piece * K ...) of ``ck`` / ``ci`` (INT_MIN keys past the chosen ones); the row's last piece to finish
-    selects the row's top K among its P * K candidates (CAND >= P * K, a power of two) and resets the counter."""
+    selects the row's top K among its P * K candidates (CAND + CAND_TAIL >= P * K, as the block kernel's BLOCK and
+    TAIL) and resets the counter."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -183,7 +205,7 @@ def _topk_select_split_kernel(
     in_piece = idx < N
     length = _row_length(len_ptr, row, N, HAS_LEN)
     key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
-    k_rem, prefix, level = _radix(key, in_piece, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
+    k_rem, prefix, level = _radix(key, in_piece, key, in_piece, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)), 0)
     zero = tl.zeros([], dtype=tl.int32)
     sel, pos, n_sel, _ = _select(key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
     base = (row * P + piece) * K
@@ -193,15 +215,31 @@ def _topk_select_split_kernel(
     tl.store(ck_ptr + base + j, tl.full([CHUNK], INT_MIN, tl.int32), mask=(j >= n_sel) & (j < K))
     tl.debug_barrier()  # every thread's candidates are written before the one release below
     if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == P - 1:  # the row's last piece
+        cbase = row * P * K
         c = tl.arange(0, CAND)
         c_in = c < P * K
-        ckey = tl.load(ck_ptr + row * P * K + c, mask=c_in, other=INT_MIN, cache_modifier=".cg")
-        cidx = tl.load(ci_ptr + row * P * K + c, mask=c_in, other=0, cache_modifier=".cg")
+        ckey = tl.load(ck_ptr + cbase + c, mask=c_in, other=INT_MIN, cache_modifier=".cg")
+        cidx = tl.load(ci_ptr + cbase + c, mask=c_in, other=0, cache_modifier=".cg")
         cvalid = ckey != INT_MIN  # a selectable entry's key never is INT_MIN (only NaN bit patterns map there)
-        k_rem, prefix, level = _radix(ckey, c_in, tl.minimum(K, tl.sum(cvalid.to(tl.int32), axis=0)))
+        n_valid = tl.sum(cvalid.to(tl.int32), axis=0)
+        if CAND_TAIL > 0:
+            c_t = CAND + tl.arange(0, CAND_TAIL)
+            c_in_t = c_t < P * K
+            ckey_t = tl.load(ck_ptr + cbase + c_t, mask=c_in_t, other=INT_MIN, cache_modifier=".cg")
+            cidx_t = tl.load(ci_ptr + cbase + c_t, mask=c_in_t, other=0, cache_modifier=".cg")
+            cvalid_t = ckey_t != INT_MIN
+            n_valid += tl.sum(cvalid_t.to(tl.int32), axis=0)
+        else:
+            c_t, c_in_t, ckey_t, cidx_t, cvalid_t = c, c_in, ckey, cidx, cvalid  # not read
+        k_rem, prefix, level = _radix(ckey, c_in, ckey_t, c_in_t, tl.minimum(K, n_valid), CAND_TAIL)
+        t_hi = (prefix ^ INT_MIN) >> level
         dst = out_ptr + row * out_stride
-        n_sel, _ = _compact(dst, cidx, ckey, cvalid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
-        tl.store(dst + c, tl.full([CAND], -1, tl.int64), mask=(c >= n_sel) & (c < tl.minimum(K, N)))
+        width = tl.minimum(K, N)
+        n_sel, n_eq = _compact(dst, cidx, ckey, cvalid, t_hi, level, k_rem, zero, zero)
+        if CAND_TAIL > 0:
+            n_sel, n_eq = _compact(dst, cidx_t, ckey_t, cvalid_t, t_hi, level, k_rem, n_sel, n_eq)
+            tl.store(dst + c_t, tl.full([CAND_TAIL], -1, tl.int64), mask=(c_t >= n_sel) & (c_t < width))
+        tl.store(dst + c, tl.full([CAND], -1, tl.int64), mask=(c >= n_sel) & (c < width))
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
@@ -255,21 +293,35 @@ def _topk_select_kernel(
         tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
 
 
-def block_row_config(n: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the register-resident kernel for rows of n <= BLOCK_ROW_MAX entries."""
-    block = max(128, triton.next_power_of_2(n))
-    # H200, one row in a CUDA graph (bench_topk_select.py): 8 warps best for 1K-4K entries (4.6 / 12.3 us; 16 warps
-    # 6.0 / 15.6), 16 for 8K (23.5 us; 8 warps 27.8)
-    return block, 4 if block <= 512 else 8 if block <= 4096 else 16
+def block_warps(block: int) -> int:
+    """Warps of a program holding ``block`` keys in registers. H200, one row in a CUDA graph (bench_topk_select.py):
+    8 warps best for 1K-4K entries (4.6 / 12.3 us; 16 warps 6.0 / 15.6), 16 for 8K (23.5 us; 8 warps 27.8)."""
+    return 4 if block <= 512 else 8 if block <= 4096 else 16
 
 
-def split_config(n: int, k: int, chunk: int = SPLIT_CHUNK) -> tuple[int, int] | None:
-    """(pieces a row, CAND: the power of two holding their candidates) of the split kernel for rows of n entries
-    and k picks, or None where it does not apply (k above a piece, or more candidates than SPLIT_CAND_MAX)."""
+def register_parts(n: int, min_warps: int = 1) -> tuple[int, int, int]:
+    """(BLOCK, TAIL, num_warps): n entries held in registers as a power of two BLOCK plus a power-of-two TAIL (0:
+    none) of at least one element a thread, where that is fewer than the next power of two. Why: a decode step's
+    rows are as wide as its bucketed block tables, just past a power of two more often than not (4K tokens: 5120
+    entries at ratio 1), and the passes cost what the registers hold (5120 = 4096 + 1024, not 8192 at 16 warps)."""
+    full = max(128, triton.next_power_of_2(n))
+    block = full // 2
+    warps = max(min_warps, block_warps(block))
+    tail = max(triton.next_power_of_2(max(n - block, 1)), 32 * warps)
+    if block >= 128 and block + tail < full:
+        return block, tail, warps
+    return full, 0, max(min_warps, block_warps(full))
+
+
+def split_config(n: int, k: int, chunk: int = SPLIT_CHUNK) -> tuple[int, int, int, int] | None:
+    """(pieces a row, CAND, CAND_TAIL, num_warps) of the split kernel for rows of n entries and k picks: the pieces'
+    P * k candidates held as ``register_parts`` does, the warps serving both phases; None where it does not apply (k
+    above a piece, or more candidates than SPLIT_CAND_MAX)."""
     pieces = triton.cdiv(n, chunk) if chunk else 0
     if not chunk or k > chunk or pieces * k > SPLIT_CAND_MAX:
         return None
-    return pieces, triton.next_power_of_2(pieces * k)
+    cand, tail, warps = register_parts(pieces * k, block_warps(chunk))
+    return pieces, cand, tail, warps
 
 
 def topk_select_triton(
@@ -279,7 +331,7 @@ def topk_select_triton(
     split_programs: int = SPLIT_MAX_PROGRAMS,
 ) -> torch.Tensor:  # fmt: skip
     """The op (contract in ``__init__.py``). Rows of at most ``block_row_max`` entries take the register-resident
-    kernel (its tiling from ``block_row_config``), longer ones the split kernel in ``chunk``-entry pieces
+    kernel (its tiling from ``register_parts``), longer ones the split kernel in ``chunk``-entry pieces
     (``split_config``; 0 turns it off) while rows x pieces is at most ``split_programs``, or else the streaming
     kernel, tiled by ``block`` / ``num_warps``. All are exposed for the benchmark's sweep and the tests
     (``block_row_max=0`` skips the register kernel)."""
@@ -302,18 +354,18 @@ def topk_select_triton(
     if split is not None and s * split[0] > split_programs:
         split = None
     if n <= block_row_max:
-        block, warps = block_row_config(n)
+        block, tail, warps = register_parts(n)
         _topk_select_block_kernel[(s,)](
-            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block,
+            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block, TAIL=tail,
             num_warps=warps, **common,
         )  # fmt: skip
     elif split is not None:
-        pieces, cand = split
+        pieces, cand, cand_tail, warps = split
         ck = torch.empty(s, pieces * width, dtype=torch.int32, device=scores.device)
         ci = torch.empty_like(ck)
         _topk_select_split_kernel[(s, pieces)](
             scores, lens, msk, out, ck, ci, counter_block(scores.device), n, width, scores.stride(0), msk.stride(0),
-            out.stride(0), pieces, CHUNK=chunk, CAND=cand, num_warps=block_row_config(max(chunk, cand))[1], **common,
+            out.stride(0), pieces, CHUNK=chunk, CAND=cand, CAND_TAIL=cand_tail, num_warps=warps, **common,
         )  # fmt: skip
     else:
         _topk_select_kernel[(s,)](
