@@ -87,8 +87,10 @@ def powers_of_two(n: int, min_warps: int = 1) -> tuple[int, int, int]:
 def bucket_rows(rec: Recorder) -> None:
     """The decode indexer's rows as a step has them (as wide as its block tables, bucketed to 8 blocks of 128
     tokens: 4K tokens -> 5120 entries at ratio 1, 2560 at ratio 2, 1280 at ratio 4; 32K -> 33792 / 16896 / 8448), in
-    CUDA graphs: the registers as a power of two plus a tail (``register_parts``) against the next power of two."""
-    print(f"{'N':>6} {'rows':>5} {'tail':>8} {'pow2':>8} {'torch':>8}  (us)")
+    CUDA graphs: the registers as a power of two plus a tail (``register_parts``) against the next power of two, and
+    the split kernel forced at every row count (4096-entry pieces; ``SPLIT_MAX_PROGRAMS`` decides where it serves)."""
+    print(f"{'N':>6} {'rows':>5} {'tail':>8} {'pow2':>8} {'split':>8} {'torch':>8}  (us)")
+    forced = dict(block_row_max=0, split_programs=1 << 20)
     saved = backend.register_parts
     for n in (1280, 2560, 5120, 8448, 16896, 33792):
         for rows in (1, 8, 64, 256):
@@ -102,10 +104,14 @@ def bucket_rows(rec: Recorder) -> None:
                 same = torch.equal(topk_select_triton(x, K, lengths), want)
             finally:
                 backend.register_parts = saved
+            us["split"] = graph_us(lambda x=x, ln=lengths: topk_select_triton(x, K, ln, **forced))
+            same = same and torch.equal(topk_select_triton(x, K, lengths, **forced), want)
             us["torch"] = graph_us(lambda x=x: torch.topk(x, K, dim=-1, sorted=False))
             rec.add(case="bucket_rows", n=n, rows=rows, same_rows=same, **{f"{k}_us": v for k, v in us.items()})
             print(
-                f"{n:>6} {rows:>5} " + " ".join(f"{us[k]:>8.1f}" for k in ("tail", "pow2", "torch")) + f"  same={same}"
+                f"{n:>6} {rows:>5} "
+                + " ".join(f"{us[k]:>8.1f}" for k in ("tail", "pow2", "split", "torch"))
+                + f"  same={same}"
             )
 
 
