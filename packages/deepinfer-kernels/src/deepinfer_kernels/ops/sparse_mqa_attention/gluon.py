@@ -219,7 +219,7 @@ def sparse_mqa_attention_gluon_adaptive(q, kv, indices, sinks, scale):
 
 
 def _hopper() -> bool:
-    return triton_cuda_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return triton_cuda_available() and _sm90(torch.cuda.current_device())
 
 
 register_backend(

@@ -147,6 +147,30 @@ def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq):
 
 
 @triton.jit
+def _select_parts(
+    dst, ids, key, valid, in_row, ids_t, key_t, valid_t, in_tail, K, fill_to, BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
+):  # fmt: skip
+    """The top K of keys held in registers as a power-of-two block plus, when TAIL > 0, a power-of-two tail that
+    follows it in index order (``register_parts``; the ``*_t`` arguments are not read otherwise): the radix passes,
+    the compaction of the selected ``ids`` to ``dst`` in order (block, then tail), then -1 at output positions from
+    the selected count up to ``fill_to``."""
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    if TAIL > 0:
+        n_valid += tl.sum(valid_t.to(tl.int32), axis=0)
+    k_rem, prefix, level = _radix(key, in_row, key_t, in_tail, tl.minimum(K, n_valid), TAIL)
+    t_hi = (prefix ^ INT_MIN) >> level
+    zero = tl.zeros([], dtype=tl.int32)
+    n_sel, n_eq = _compact(dst, ids, key, valid, t_hi, level, k_rem, zero, zero)
+    if TAIL > 0:
+        n_sel, n_eq = _compact(dst, ids_t, key_t, valid_t, t_hi, level, k_rem, n_sel, n_eq)
+        pos_t = BLOCK + tl.arange(0, TAIL)
+        tl.store(dst + pos_t, tl.full([TAIL], -1, tl.int64), mask=(pos_t >= n_sel) & (pos_t < fill_to))
+    pos = tl.arange(0, BLOCK)
+    tl.store(dst + pos, tl.full([BLOCK], -1, tl.int64), mask=(pos >= n_sel) & (pos < fill_to))
+
+
+@triton.jit
 def _row_length(len_ptr, row, N, HAS_LEN: tl.constexpr):
     length = N
     if HAS_LEN:
@@ -170,22 +194,13 @@ def _topk_select_block_kernel(
     idx = tl.arange(0, BLOCK)
     in_row = idx < N
     key, valid = _keys(src, idx, N, length, msk, HAS_MASK)
-    n_valid = tl.sum(valid.to(tl.int32), axis=0)
     if TAIL > 0:
         idx_t = BLOCK + tl.arange(0, TAIL)
         in_tail = idx_t < N
         key_t, valid_t = _keys(src, idx_t, N, length, msk, HAS_MASK)
-        n_valid += tl.sum(valid_t.to(tl.int32), axis=0)
     else:
         idx_t, in_tail, key_t, valid_t = idx, in_row, key, valid  # not read
-    k_rem, prefix, level = _radix(key, in_row, key_t, in_tail, tl.minimum(K, n_valid), TAIL)
-    t_hi = (prefix ^ INT_MIN) >> level
-    zero = tl.zeros([], dtype=tl.int32)
-    n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, zero, zero)
-    if TAIL > 0:  # the tail follows the block in index order
-        n_sel, n_eq = _compact(dst, idx_t, key_t, valid_t, t_hi, level, k_rem, n_sel, n_eq)
-        tl.store(dst + idx_t, tl.full([TAIL], -1, tl.int64), mask=(idx_t >= n_sel) & (idx_t < K))
-    tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
+    _select_parts(dst, idx, key, valid, in_row, idx_t, key_t, valid_t, in_tail, K, K, BLOCK, TAIL)
 
 
 @triton.jit
@@ -221,25 +236,18 @@ def _topk_select_split_kernel(
         ckey = tl.load(ck_ptr + cbase + c, mask=c_in, other=INT_MIN, cache_modifier=".cg")
         cidx = tl.load(ci_ptr + cbase + c, mask=c_in, other=0, cache_modifier=".cg")
         cvalid = ckey != INT_MIN  # a selectable entry's key never is INT_MIN (only NaN bit patterns map there)
-        n_valid = tl.sum(cvalid.to(tl.int32), axis=0)
         if CAND_TAIL > 0:
             c_t = CAND + tl.arange(0, CAND_TAIL)
             c_in_t = c_t < P * K
             ckey_t = tl.load(ck_ptr + cbase + c_t, mask=c_in_t, other=INT_MIN, cache_modifier=".cg")
             cidx_t = tl.load(ci_ptr + cbase + c_t, mask=c_in_t, other=0, cache_modifier=".cg")
             cvalid_t = ckey_t != INT_MIN
-            n_valid += tl.sum(cvalid_t.to(tl.int32), axis=0)
         else:
-            c_t, c_in_t, ckey_t, cidx_t, cvalid_t = c, c_in, ckey, cidx, cvalid  # not read
-        k_rem, prefix, level = _radix(ckey, c_in, ckey_t, c_in_t, tl.minimum(K, n_valid), CAND_TAIL)
-        t_hi = (prefix ^ INT_MIN) >> level
+            c_in_t, ckey_t, cidx_t, cvalid_t = c_in, ckey, cidx, cvalid  # not read
         dst = out_ptr + row * out_stride
-        width = tl.minimum(K, N)
-        n_sel, n_eq = _compact(dst, cidx, ckey, cvalid, t_hi, level, k_rem, zero, zero)
-        if CAND_TAIL > 0:
-            n_sel, n_eq = _compact(dst, cidx_t, ckey_t, cvalid_t, t_hi, level, k_rem, n_sel, n_eq)
-            tl.store(dst + c_t, tl.full([CAND_TAIL], -1, tl.int64), mask=(c_t >= n_sel) & (c_t < width))
-        tl.store(dst + c, tl.full([CAND], -1, tl.int64), mask=(c >= n_sel) & (c < width))
+        _select_parts(
+            dst, cidx, ckey, cvalid, c_in, cidx_t, ckey_t, cvalid_t, c_in_t, K, tl.minimum(K, N), CAND, CAND_TAIL
+        )
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
