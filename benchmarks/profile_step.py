@@ -122,7 +122,8 @@ def timeline_record(kernels: list[tuple]) -> dict:
     instruction waits), and kernels on a second stream run beside the main path. So each kernel carries its raw
     duration (``us``) and its own time (``own_us``): the part of it after every earlier-started kernel has ended,
     i.e. what it adds to the step's GPU span. The own times add up to ``busy_us``, the union of the intervals;
-    ``idle_us`` = span - busy is time no kernel ran. Families are ranked by own time. With a stream per kernel, each
+    ``idle_us`` = span - busy is time no kernel ran. Each order entry also has its ``start_us`` from the step's first
+    kernel (critical paths, offline). Families are ranked by own time. With a stream per kernel, each
     order entry names it and ``streams`` sums kernels, raw and own time per stream (which work ran beside the main
     path, and what it still added to the span)."""
     if not kernels:
@@ -139,7 +140,10 @@ def timeline_record(kernels: list[tuple]) -> dict:
     order, families, streams, busy = [], {}, {}, 0.0
     for name, start, end, *rest in kernels:
         own = max(0.0, end - max(start, frontier))
-        entry = {"kernel": name[:110], "gap_us": max(0.0, start - frontier), "us": end - start, "own_us": own}
+        entry = {
+            "kernel": name[:110], "start_us": start - kernels[0][1], "gap_us": max(0.0, start - frontier),
+            "us": end - start, "own_us": own,
+        }  # fmt: skip
         if rest and rest[0] is not None:
             entry["stream"] = rest[0]
             st = streams.setdefault(str(rest[0]), {"kernels": 0, "us": 0.0, "own_us": 0.0})

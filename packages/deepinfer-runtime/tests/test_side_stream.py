@@ -1,10 +1,12 @@
 """SideStream: the decode step's branch / join. On the CPU (or with DEEPINFER_SIDE_STREAMS=0) both do nothing; on CUDA
 a branch's writes are seen after the join, eagerly and from a captured graph, on either lane, and a join without a
-branch (a layer that branched nothing) is a no-op, also inside a capture."""
+branch (a layer that branched nothing) is a no-op, also inside a capture. The lanes' and the capture stream's
+priorities are ordered as ``LANE_PRIORITY`` says, and DEEPINFER_STREAM_PRIORITIES=0 puts them all at the default."""
 
 import pytest
 import torch
-from deepinfer_runtime.models.side_stream import SIDE_STREAMS_ENV, SideStream
+from deepinfer_runtime.models import side_stream
+from deepinfer_runtime.models.side_stream import PRIORITIES_ENV, SIDE_STREAMS_ENV, SideStream, capture_stream
 
 
 def test_cpu_and_switched_off_are_inline(monkeypatch):
@@ -25,6 +27,26 @@ def test_gpu_lanes():
     layer, engram = SideStream.of(dev), SideStream.of(dev, "engram")
     assert layer is SideStream.of(dev, "layer") and engram is SideStream.of(dev, "engram")
     assert layer.stream is not None and engram.stream is not None and layer.stream != engram.stream
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gpu_priorities(monkeypatch, enabled):
+    monkeypatch.setattr(SideStream, "_streams", {})  # fresh streams, made under this test's setting
+    monkeypatch.setattr(side_stream, "_capture_streams", {})
+    monkeypatch.setenv(PRIORITIES_ENV, "1" if enabled else "0")
+    dev = torch.device("cuda")
+    least, greatest = torch.cuda.Stream.priority_range()  # (0, -3) on an H100 / H200: lower runs first
+    layer, index = SideStream.of(dev).stream.priority, SideStream.of(dev, "index").stream.priority
+    shared, engram = SideStream.of(dev, "shared").stream.priority, SideStream.of(dev, "engram").stream.priority
+    main = capture_stream(dev).priority
+    assert capture_stream(dev) is capture_stream(dev)
+    if not enabled:
+        assert {layer, index, shared, engram, main} == {0}
+    elif greatest <= -2:
+        assert layer == index < main < shared == engram == least
+    else:  # a GPU with two levels: the short chains and the main path share the high one
+        assert layer == index <= main < shared == engram == least
 
 
 def _step(side: SideStream, a: torch.Tensor, out: torch.Tensor, branch: bool) -> torch.Tensor:

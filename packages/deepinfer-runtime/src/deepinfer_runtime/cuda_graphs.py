@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_runtime.models.side_stream import capture_stream
+
 
 @dataclass
 class _Graph:
@@ -42,7 +44,9 @@ class _Graph:
                 fn(*static)
             torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # on the main path's priority stream: kernel nodes keep the priority of the stream they were captured on
+        stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = fn(*static)
         return cls(graph, static, out)
 

@@ -259,11 +259,12 @@ def routed_plus_shared(
     split: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A MoE sublayer: ``experts(x, *route())`` (route() -> (weights [T, k], expert ids [T, k])) plus the shared
-    expert, [T, d] in x.dtype. The shared expert runs on the side stream: its weight stream overlaps the router's
-    and the routed experts' latency-bound kernels (numerics unchanged). ``split``: the two addends (routed,
-    shared) instead, for an mHC site whose expand adds them (``mhc_expand``'s y_add: one launch fewer, the same
-    bits)."""
-    side = SideStream.of(x.device)
+    expert, [T, d] in x.dtype. The shared expert runs on a side stream: its weight stream overlaps the router's
+    and the routed experts' latency-bound kernels (numerics unchanged), on the lane of lowest priority (lane
+    "shared"), so that its programs, which fill every SM, give way to the router's. ``split``: the two addends
+    (routed, shared) instead, for an mHC site whose expand adds them (``mhc_expand``'s y_add: one launch fewer,
+    the same bits)."""
+    side = SideStream.of(x.device, "shared")
     with side.branch():
         y = swiglu_mlp(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=swiglu_limit)
     weights, ids = route()

@@ -21,6 +21,15 @@ through the fork's event), so a replay runs the branch concurrently too. Tensors
 join (keep a reference until ``join``): the caching allocator would otherwise hand their memory to main-stream work
 that the branch's kernels do not wait for. On a CPU device, or with ``DEEPINFER_SIDE_STREAMS=0``, ``branch`` and
 ``join`` do nothing (the work runs in order on the current stream; results are the same either way).
+
+Streams have priorities (``LANE_PRIORITY``; ``DEEPINFER_STREAM_PRIORITIES=0`` leaves every stream at CUDA's default):
+when kernels of several streams wait for SMs, the block scheduler starts the higher-priority grid's programs first,
+and a graph replay keeps the priority each kernel was captured with (PyTorch instantiates graphs with node
+priorities). A weight stream fills every SM with its programs; without priorities a short kernel of another branch
+waits for a whole wave of them. So the lanes of short latency-bound chains that the main path will wait for
+(compressors, window latents, index keys, mHC coefficients) come first, the main path (``capture_stream``, where
+a decode step's graph is recorded) next, and weight streams with slack last: the shared expert (lane "shared",
+beside the router and the routed experts) and V4.1's Engram values (lane "engram").
 """
 
 from __future__ import annotations
@@ -32,6 +41,25 @@ from collections.abc import Iterator
 import torch
 
 SIDE_STREAMS_ENV = "DEEPINFER_SIDE_STREAMS"  # "0": run the branches in order on the current stream
+PRIORITIES_ENV = "DEEPINFER_STREAM_PRIORITIES"  # "0": every stream at CUDA's default priority
+# lower runs first; CUDA's default, 0, is its lowest priority, and out-of-range values clamp to the nearest
+FIRST, MAIN, LAST = -2, -1, 0
+LANE_PRIORITY = {"layer": FIRST, "index": FIRST, "shared": LAST, "engram": LAST}
+
+
+def _priority(level: int) -> int:
+    return level if os.environ.get(PRIORITIES_ENV, "1") != "0" else 0
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a decode step's CUDA graph is captured on (the main path's priority, ``MAIN``)."""
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=_priority(MAIN))
+    return stream
 
 
 class SideStream:
@@ -46,12 +74,14 @@ class SideStream:
     @classmethod
     def of(cls, device: torch.device, lane: str = "layer") -> SideStream:
         """The side stream of ``lane`` on ``device``. Branches of one lane run in order; a long branch that must not
-        hold up the layers' short ones (V4.1's Engram values, made at the start of a step) takes its own lane."""
+        hold up the layers' short ones (V4.1's Engram values, made at the start of a step) takes its own lane, and
+        the lane sets the stream's priority (``LANE_PRIORITY``; lanes not named there come first)."""
         if device.type != "cuda" or os.environ.get(SIDE_STREAMS_ENV, "1") == "0":
             return _INLINE
         side = cls._streams.get((device, lane))
         if side is None:
-            side = cls._streams[(device, lane)] = cls(torch.cuda.Stream(device))
+            priority = _priority(LANE_PRIORITY.get(lane, FIRST))
+            side = cls._streams[(device, lane)] = cls(torch.cuda.Stream(device, priority=priority))
         return side
 
     @contextlib.contextmanager
