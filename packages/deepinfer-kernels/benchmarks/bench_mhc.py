@@ -4,7 +4,10 @@ V4-Flash (d = 4096) and V4.1-Flash (d = 5120) widths, as GB/s and % of the devic
 measured in the same run. The Triton rows also give each op's own time; for decode sizes the whole sublayer is
 timed again as one CUDA graph replay (``graph_us``), i.e. without the Python launch overhead, with the
 batch-invariant coefficients and with the default ``triton_adaptive`` ones (``adaptive_graph_us``: its tilings
-up to 64 tokens).
+up to 64 tokens). A V4 site's chain before its sublayer is timed the same way both ways: coefficients then
+collapse + RMSNorm (``input_chain_graph_us``), and the sublayer input from the pre rows alone
+(``mhc_pre_collapse_rms_norm``, ``pre_input_graph_us``), which the model uses up to 64 tokens while post / comb
+are made beside the sublayer.
 
 Bytes counted (the floor of the sublayer): coefficients read x and fn and write pre/post/comb; collapse reads
 x and pre and writes u; expand reads x, y (= u), post and comb and writes the new streams.
@@ -20,8 +23,10 @@ from deepinfer_kernels.ops.mhc.reference import mhc_coefficients_ref, mhc_collap
 from deepinfer_kernels.ops.mhc.triton import (
     mhc_coefficients_triton,
     mhc_coefficients_triton_adaptive,
+    mhc_collapse_rms_norm_triton,
     mhc_collapse_triton,
     mhc_expand_triton,
+    mhc_pre_collapse_rms_norm_triton_adaptive,
 )
 
 N = 4
@@ -32,6 +37,17 @@ GRAPH_MAX_T = 256
 def sublayer(coefficients, collapse, expand, x, fn, base, scale):
     pre, post, comb = coefficients(x, fn, base, scale, *EPS)
     return expand(x, collapse(x, pre), post, comb)  # identity stand-in for the sublayer
+
+
+def input_chain(x, fn, base, scale, g):
+    """A V4 site's chain before its sublayer: the coefficients, then collapse + RMSNorm with their pre."""
+    pre = mhc_coefficients_triton_adaptive(x, fn, base, scale, *EPS)[0]
+    return mhc_collapse_rms_norm_triton(x, pre, g, 1e-6)
+
+
+def pre_input(x, fn, base, scale, g):
+    """The same input from the site's pre rows alone (the model's path up to 64 tokens)."""
+    return mhc_pre_collapse_rms_norm_triton_adaptive(x, fn[:N], base[:N], scale[:1], g, *EPS[:2], 1e-6)
 
 
 def graph_ms(fn, *args) -> float:
@@ -73,6 +89,9 @@ def main() -> None:
                 parts["ref_graph_us"] = 1e3 * graph_ms(sublayer, *ref_ops, x, fn, base, scale)
                 adaptive = (mhc_coefficients_triton_adaptive, *triton_ops[1:])
                 parts["adaptive_graph_us"] = 1e3 * graph_ms(sublayer, *adaptive, x, fn, base, scale)
+                g = 0.5 + torch.rand(d, device="cuda")
+                parts["input_chain_graph_us"] = 1e3 * graph_ms(input_chain, x, fn, base, scale, g)
+                parts["pre_input_graph_us"] = 1e3 * graph_ms(pre_input, x, fn, base, scale, g)
             gbs = nbytes / ms / 1e6
             rec.add(case="mhc_same_site", d=d, tokens=t, mbytes=nbytes / 1e6, us=ms * 1e3, gbs=gbs,
                     pct_ceiling=100 * gbs / ceiling, floor_us=nbytes / ceiling / 1e3, ref_us=ref_ms * 1e3,

@@ -38,6 +38,7 @@ def test_gpu_priorities(monkeypatch, enabled):
     dev = torch.device("cuda")
     least, greatest = torch.cuda.Stream.priority_range()  # (0, -3) on an H100 / H200: lower runs first
     layer, index = SideStream.of(dev).stream.priority, SideStream.of(dev, "index").stream.priority
+    assert SideStream.of(dev, "mhc").stream.priority == layer
     shared, engram = SideStream.of(dev, "shared").stream.priority, SideStream.of(dev, "engram").stream.priority
     main = capture_stream(dev).priority
     assert capture_stream(dev) is capture_stream(dev)

@@ -34,6 +34,7 @@ from deepinfer_kernels.ops.mhc import (
     mhc_initial_pre_mix,
     mhc_lagged_layer,
     mhc_lagged_site,
+    mhc_pre_collapse_rms_norm,
     mhc_same_site_sublayer,
 )
 from deepinfer_kernels.ops.moe import (
@@ -94,6 +95,7 @@ __all__ = [
     "mhc_initial_pre_mix",
     "mhc_lagged_layer",
     "mhc_lagged_site",
+    "mhc_pre_collapse_rms_norm",
     "mhc_same_site_sublayer",
     "moe_experts",
     "Mxfp4Experts",

@@ -13,6 +13,7 @@ from deepinfer_kernels.ops.mhc import (
     mhc_initial_pre_mix,
     mhc_lagged_layer,
     mhc_lagged_site,
+    mhc_pre_collapse_rms_norm,
     mhc_same_site_sublayer,
 )
 from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_mlp
@@ -106,7 +107,8 @@ def _cfg(hc_eps=1e-6, norm_eps=1e-6, iters=20) -> MhcConfig:
 
 def test_references_registered():
     ops = list_ops()
-    for name in ("mhc_coefficients", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_expand", "mhc_head_weights"):
+    names = ("mhc_coefficients", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_expand", "mhc_head_weights")
+    for name in (*names, "mhc_pre_collapse_rms_norm"):
         assert name in ops
 
 
@@ -381,6 +383,39 @@ def test_collapse_rms_norm_is_the_two_ops_and_the_sublayers_norm_argument():
         mhc_collapse_rms_norm(x, w, gain[:-1], 1e-6)
     with pytest.raises(ValueError, match="weights"):
         mhc_collapse_rms_norm(x, w[:, :-1], gain, 1e-6)
+
+
+@torch.no_grad()
+def test_pre_collapse_rms_norm_is_the_site_pre_then_collapse_and_norm():
+    """A V4 site's sublayer input from its pre rows alone: the coefficients' pre (fn / base rows 0..n-1, the pre
+    scale), then the collapse + norm; exaggerated epsilons, fp32 and bf16 streams."""
+    g = _gen(13)
+    params = _random_params(g)
+    gain = torch.rand(D, generator=g) + 0.5
+    for hc_eps, norm_eps, iters in EPS_CASES:
+        cfg = _cfg(hc_eps, norm_eps, iters)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _randn(g, T, N, D).to(dtype)
+            pre, _, _ = mhc_coefficients(x, params, cfg)
+            want = mhc_collapse_rms_norm(x, pre, gain, 1e-6)
+            got = mhc_pre_collapse_rms_norm(
+                x, params.fn[:N], params.base[:N], params.scale[:1], gain, norm_eps=norm_eps, hc_eps=hc_eps, eps=1e-6
+            )
+            assert got.dtype == dtype
+            # the reference mixes of 4 fn rows and of 24 round differently (tiled linear_ref): fp32 rounding apart
+            assert_rel_close(got, want, TOL if dtype == torch.float32 else 4e-3, f"{dtype} {(hc_eps, norm_eps, iters)}")
+    x = _randn(g, T, N, D)
+    args = (params.fn[:N], params.base[:N], params.scale[:1], gain)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, eps=1e-6)
+    with pytest.raises(ValueError, match="fn"):
+        mhc_pre_collapse_rms_norm(x, params.fn, *args[1:], **kw)
+    with pytest.raises(ValueError, match="base"):
+        mhc_pre_collapse_rms_norm(x, args[0], params.base, *args[2:], **kw)
+    with pytest.raises(ValueError, match="scale"):
+        mhc_pre_collapse_rms_norm(x, *args[:2], params.scale, gain, **kw)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mhc_pre_collapse_rms_norm(x, *args[:3], gain[:-1], **kw)
+    assert mhc_pre_collapse_rms_norm(x[:0], *args, **kw).shape == (0, D)
 
 
 def test_sublayer_output_as_two_addends():

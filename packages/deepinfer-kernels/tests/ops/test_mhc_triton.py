@@ -26,6 +26,8 @@ from deepinfer_kernels.ops.mhc.triton import (  # noqa: E402
     mhc_expand_triton,
     mhc_head_weights_triton,
     mhc_head_weights_triton_adaptive,
+    mhc_pre_collapse_rms_norm_triton,
+    mhc_pre_collapse_rms_norm_triton_adaptive,
 )
 from deepinfer_kernels.ops.rms_norm.reference import rms_norm_ref  # noqa: E402
 from deepinfer_kernels.ops.rms_norm.triton import rms_norm_triton  # noqa: E402
@@ -34,7 +36,10 @@ from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close  
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 COEF_TOL = 1e-5  # fp32 coefficients, bf16 or fp32 streams
-OPS = ("mhc_coefficients", "mhc_head_weights", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_expand")
+OPS = (
+    "mhc_coefficients", "mhc_head_weights", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_pre_collapse_rms_norm",
+    "mhc_expand",
+)  # fmt: skip
 
 
 def _inputs(t: int, n: int, d: int, dtype: torch.dtype, device: str, seed: int):
@@ -96,6 +101,23 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
     _assert_stream_close(fused, rms_norm_ref(u, g, norm_eps), f"collapse+norm {what}", min_equal)
     if x.dtype == torch.bfloat16:  # the models' streams: the two kernels' bits (fp32 streams: fp32 rounding)
         assert_bitwise(fused, rms_norm_triton(u, g, norm_eps), f"collapse+norm vs the two kernels {what}")
+    # a V4 site's input from its pre rows alone: against the head weights' kernels then the collapse + norm (the
+    # same pre up to its split sum's order) and against the reference composition
+    rows = (site[0][:n], site[1][:n], site[2][:1])
+    for fused_fn, head_w in (
+        (mhc_pre_collapse_rms_norm_triton, mhc_head_weights_triton),
+        (mhc_pre_collapse_rms_norm_triton_adaptive, mhc_head_weights_triton_adaptive),
+    ):
+        got = fused_fn(x, *rows, g, norm_eps, hc_eps, 1e-6)
+        two = mhc_collapse_rms_norm_triton(x, head_w(x, *rows, norm_eps, hc_eps), g, 1e-6)
+        # pre's split sum runs on another warp layout (fp32 rounding apart), then two bf16 roundings (the collapse,
+        # the norm): a few elements in 10^4 move by 2 ulp; nearly all are bitwise the kernels' on the GPU
+        assert_rel_close(got, two, 2e-6 if x.dtype == torch.float32 else 2e-3, f"pre+collapse+norm vs kernels {what}")
+        if x.dtype == torch.bfloat16:
+            equal = (got == two).double().mean().item()
+            assert equal >= 0.98 * min_equal, f"pre+collapse+norm vs kernels {what}: {equal:.4f} bitwise equal"
+        want = rms_norm_ref(mhc_collapse_ref(x, pre), g, 1e-6)  # bf16: two roundings (interpreted: truncations)
+        assert_rel_close(got, want, 2e-6 if x.dtype == torch.float32 else 8e-3, f"pre+collapse+norm {what}")
     out = mhc_expand_triton(x, y, post, comb)
     _assert_stream_close(out, mhc_expand_ref(x, y, post, comb), f"expand {what}", min_equal)
     # a sublayer output given as two addends (a MoE's routed and shared experts): the kernel's sum in y's dtype is
@@ -116,6 +138,8 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
         u_full = mhc_collapse_triton(x, full[0])
         g = 0.5 + torch.rand(x.shape[2], device=x.device)
         n_full = mhc_collapse_rms_norm_triton(x, full[0], g, eps[0])
+        rows_ = (site[0][: x.shape[1]], site[1][: x.shape[1]], site[2][:1])
+        p_full = mhc_pre_collapse_rms_norm_triton(x, *rows_, g, *eps[:2], 1e-6)
         o_full = mhc_expand_triton(x, y, full[1], full[2])
     t = x.shape[0]
     for r in rows:
@@ -131,6 +155,8 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
                 assert_bitwise(mhc_collapse_triton(x[sl].clone(), full[0][sl])[i], u_full[r], f"collapse {r}/{size}")
                 normed = mhc_collapse_rms_norm_triton(x[sl].clone(), full[0][sl], g, eps[0])
                 assert_bitwise(normed[i], n_full[r], f"collapse+norm {r}/{size}")
+                pcn = mhc_pre_collapse_rms_norm_triton(x[sl].clone(), *rows_, g, *eps[:2], 1e-6)
+                assert_bitwise(pcn[i], p_full[r], f"pre+collapse+norm {r}/{size}")
                 o = mhc_expand_triton(x[sl].clone(), y[sl].clone(), full[1][sl], full[2][sl])
                 assert_bitwise(o[i], o_full[r], f"expand {r}/{size}")
 
@@ -171,7 +197,7 @@ INTERP_CASES["batch-invariant"] = ("_interp_batch_invariant", ())
 
 
 def _interp_collapse_rms_norm_chunks() -> None:
-    """Rows longer than rms_norm's widest chunk: the fused kernel's two-pass path, against the two kernels."""
+    """Rows longer than rms_norm's widest chunk: the fused kernels' two-pass paths, against the two kernels."""
     import deepinfer_kernels.ops.rms_norm.triton as norm_triton
 
     norm_triton.MAX_BLOCK = 64  # read at call time: d = 300 becomes five chunks, the last ragged
@@ -180,6 +206,11 @@ def _interp_collapse_rms_norm_chunks() -> None:
     fused = mhc_collapse_rms_norm_triton(x, w, g, 1e-6)
     assert_bitwise(fused, rms_norm_triton(mhc_collapse_triton(x, w), g, 1e-6), "collapse+norm, five chunks")
     _assert_stream_close(fused, rms_norm_ref(mhc_collapse_triton(x, w), g, 1e-6), "collapse+norm vs reference", 0.0)
+    _, site, _, _ = _inputs(3, 4, 300, torch.bfloat16, "cpu", seed=12)
+    rows = (site[0][:4], site[1][:4], site[2][:1])
+    pre = mhc_head_weights_triton(x, *rows, 1e-6, 1e-6)
+    got = mhc_pre_collapse_rms_norm_triton(x, *rows, g, 1e-6, 1e-6, 1e-6)
+    _assert_stream_close(got, mhc_collapse_rms_norm_triton(x, pre, g, 1e-6), "pre+collapse+norm, five chunks", 0.0)
 
 
 INTERP_CASES["collapse-rms-norm-chunks"] = ("_interp_collapse_rms_norm_chunks", ())
@@ -225,11 +256,13 @@ def test_gpu_registry_and_sublayer(monkeypatch):
     assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton_adaptive
     assert resolve("mhc_collapse", "cuda") is mhc_collapse_triton
     assert resolve("mhc_collapse_rms_norm", "cuda") is mhc_collapse_rms_norm_triton
+    assert resolve("mhc_pre_collapse_rms_norm", "cuda") is mhc_pre_collapse_rms_norm_triton_adaptive
     assert resolve("mhc_expand", "cuda") is mhc_expand_triton
     set_batch_invariant(True)
     try:
         assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton
         assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton
+        assert resolve("mhc_pre_collapse_rms_norm", "cuda") is mhc_pre_collapse_rms_norm_triton
         assert resolve("mhc_expand", "cuda") is mhc_expand_triton
     finally:
         set_batch_invariant(None)

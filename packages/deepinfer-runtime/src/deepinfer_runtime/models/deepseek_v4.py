@@ -28,8 +28,11 @@ from deepinfer_kernels import (
     kv_compress_pool,
     kv_compress_pool_rows,
     linear,
+    mhc_coefficients,
     mhc_collapse,
+    mhc_expand,
     mhc_head_weights,
+    mhc_pre_collapse_rms_norm,
     mhc_same_site_sublayer,
     moe_route_hash,
     moe_route_topk,
@@ -39,6 +42,7 @@ from deepinfer_kernels import (
     rope_inv_freq,
     sparse_mqa_attention,
 )
+from deepinfer_kernels.registry import batch_invariant
 from torch import nn
 
 from deepinfer_runtime.cache_layout import CacheKind, CacheLayout
@@ -358,6 +362,9 @@ class MoE(nn.Module):
         )  # fmt: skip
 
 
+SPLIT_SITE_MAX_TOKENS = 64  # V4 sites of at most this many tokens split pre from post / comb (``Block.site``)
+
+
 class Block(MhcBlock):
     """Layer ``layer`` (its attention kind from the schedule unless ``kind`` is given: the MTP layer's). With
     ``graphs`` (``cuda_graphs.SublayerGraphs``, set by ``enable_cuda_graphs``) the FFN sublayer of short steps
@@ -383,7 +390,7 @@ class Block(MhcBlock):
 
     def run_block(self, x, input_ids, attn_fn):
         """x [T, n, d] -> [T, n, d] with the attention sublayer ``attn_fn(normed input [T, d]) -> [T, d]``."""
-        x = mhc_same_site_sublayer(x, attn_fn, self.mhc("attn"), self.hc, norm=self.attn_norm.fused)
+        x = self.site(x, attn_fn, "attn", self.attn_norm)
         if self.graphs is not None and self.graphs.applies(x):
             return self.graphs.run(self, self.ffn_sublayer, x, input_ids)
         return self.ffn_sublayer(x, input_ids)
@@ -391,9 +398,31 @@ class Block(MhcBlock):
     def ffn_sublayer(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The FFN site: streams x [T, n, d] and the tokens [T] (hash routing) -> streams [T, n, d]. Static shapes
         and no host reads: CUDA-graph safe."""
-        return mhc_same_site_sublayer(
-            x, lambda u: self.ffn(u, input_ids, split=True), self.mhc("ffn"), self.hc, norm=self.ffn_norm.fused
-        )
+        return self.site(x, lambda u: self.ffn(u, input_ids, split=True), "ffn", self.ffn_norm)
+
+    def site(self, x: torch.Tensor, f: Callable, site: str, norm: Norm) -> torch.Tensor:
+        """``mhc_same_site_sublayer(x, f, self.mhc(site), self.hc, norm=norm.fused)``. A decode-size call on CUDA
+        (at most SPLIT_SITE_MAX_TOKENS tokens, outside batch-invariant mode) makes the sublayer's input from the
+        site's pre rows alone (``mhc_pre_collapse_rms_norm``: n of the (2+n)n mixes, no Sinkhorn, pre / collapse /
+        norm in one kernel) and the coefficients the expand needs (post, comb) on a side lane beside the sublayer:
+        V4's mHC chain before each sublayer loses the Sinkhorn and a launch. The pre of n mixes rounds as its own
+        matmul, so results agree with the single-path wiring to fp32 rounding, not bitwise."""
+        params = self.mhc(site)
+        if not x.is_cuda or x.shape[0] > SPLIT_SITE_MAX_TOKENS or batch_invariant():
+            return mhc_same_site_sublayer(x, f, params, self.hc, norm=norm.fused)
+        n = x.shape[1]
+        side = SideStream.of(x.device, "mhc")  # its own lane: the sublayer's branches do not queue behind it
+        with side.branch():
+            _, post, comb = mhc_coefficients(x, params, self.hc)
+        u = mhc_pre_collapse_rms_norm(
+            x, params.fn[:n], params.base[:n], params.scale[:1], norm.weight,
+            norm_eps=self.hc.norm_eps, hc_eps=self.hc.hc_eps, eps=norm.eps,
+        )  # fmt: skip
+        y = f(u)
+        side.join()
+        if isinstance(y, tuple):  # two addends (a MoE's routed and shared experts), summed by the expand
+            return mhc_expand(x, y[0], post, comb, y_add=y[1])
+        return mhc_expand(x, y, post, comb)
 
 
 class MTPLayer(Block):

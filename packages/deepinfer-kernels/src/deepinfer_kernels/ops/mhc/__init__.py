@@ -187,6 +187,45 @@ def mhc_head_weights(
     return dispatch("mhc_head_weights", x.device, x, fn, base, scale.reshape(1), norm_eps, hc_eps)
 
 
+def mhc_pre_collapse_rms_norm(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    eps: float,
+) -> torch.Tensor:
+    """A V4 site's sublayer input from its streams alone: ``rms_norm(mhc_collapse(x, pre), norm_weight, eps)`` with
+    ``pre = mhc_head_weights(x, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps)``. Given the site's pre rows
+    (``params.fn[:n]``, ``params.base[:n]``, ``params.scale[:1]``) pre is ``mhc_coefficients``' pre, so a V4 site
+    can make its sublayer input without waiting for post and comb (their Sinkhorn can run beside the sublayer, for
+    the expand): at decode sizes the mixes of n rows instead of (2+n)*n, and pre, collapse and norm in one kernel.
+
+    Args:
+        x: [T, n, d] streams; fn: [n, n*d], base: [n], scale: [1] (fp32, as ``mhc_head_weights``);
+        norm_weight: [d]; norm_eps, hc_eps: as ``MhcConfig``; eps: the RMSNorm epsilon.
+
+    Returns:
+        [T, d] in x.dtype. The reference is the composition; the Triton backends agree with it to fp32 rounding.
+    """
+    t, n, d = _check_streams(x, "mhc_pre_collapse_rms_norm")
+    if tuple(fn.shape) != (n, n * d):
+        raise ValueError(f"mhc_pre_collapse_rms_norm: fn {tuple(fn.shape)} != ({n}, {n * d})")
+    if tuple(base.shape) != (n,):
+        raise ValueError(f"mhc_pre_collapse_rms_norm: base {tuple(base.shape)} != ({n},)")
+    if scale.numel() != 1:
+        raise ValueError(f"mhc_pre_collapse_rms_norm: scale must have one element, got {tuple(scale.shape)}")
+    if tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"mhc_pre_collapse_rms_norm: norm_weight {tuple(norm_weight.shape)} != ({d},)")
+    return dispatch(
+        "mhc_pre_collapse_rms_norm", x.device, x, fn, base, scale.reshape(1), norm_weight,
+        float(norm_eps), float(hc_eps), float(eps),
+    )  # fmt: skip
+
+
 def mhc_initial_pre_mix(num_tokens: int, hc_mult: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """V4.1's layer-0 ``pre_mix``: one-hot on stream 0, fp32 [T, n]."""
     pre_mix = torch.zeros(num_tokens, hc_mult, dtype=torch.float32, device=device)
@@ -284,5 +323,6 @@ __all__ = [
     "mhc_initial_pre_mix",
     "mhc_lagged_layer",
     "mhc_lagged_site",
+    "mhc_pre_collapse_rms_norm",
     "mhc_same_site_sublayer",
 ]

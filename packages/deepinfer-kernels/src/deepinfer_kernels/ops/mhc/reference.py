@@ -91,3 +91,18 @@ def mhc_head_weights_ref(
 ) -> torch.Tensor:
     mixes = _normed_mixes(x, fn, norm_eps)
     return sigmoid(mixes * scale.float() + base.float()) + hc_eps
+
+
+@register_reference("mhc_pre_collapse_rms_norm")
+def mhc_pre_collapse_rms_norm_ref(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    eps: float,
+) -> torch.Tensor:
+    pre = mhc_head_weights_ref(x, fn, base, scale, norm_eps, hc_eps)
+    return mhc_collapse_rms_norm_ref(x, pre, norm_weight, eps)

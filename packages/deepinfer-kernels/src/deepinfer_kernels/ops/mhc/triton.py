@@ -32,6 +32,9 @@ on which tier T falls in, so it is not registered batch-invariant.
 ``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
 store; purely elementwise per token, hence batch-invariant too. ``mhc_collapse_rms_norm``: one program per token,
 the collapse then the RMSNorm with ``rms_norm``'s tiling (for bf16 streams bitwise the two ops in a row).
+``mhc_pre_collapse_rms_norm``: the mixes of the n pre rows (kernel 1 above, as ``mhc_head_weights``), then one
+program per token that makes pre from its partials (the epilogue's arithmetic, ``_site_logits``) and the collapse
++ RMSNorm with it; batch-invariant with the invariant tiling, like the other two-launch ops.
 
 Importing this module registers the backends; it needs triton (the op's ``__init__`` guards the import).
 CPU tensors run in Triton's interpreter when TRITON_INTERPRET=1 (tests only; registered for "cuda").
@@ -125,21 +128,20 @@ def _sigmoid(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
 
-@triton.jit(do_not_specialize=["T"])
-def _coefficients_epilogue_kernel(
-    ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-    T, K, norm_eps, hc_eps, iters,
+@triton.jit
+def _site_logits(
+    ws_ptr, base_ptr, scale_ptr, tok, T, K, norm_eps,
     N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
-    SP2: tl.constexpr, COMB: tl.constexpr, PDL: tl.constexpr = False,
+    SP2: tl.constexpr, COMB: tl.constexpr,
 ):  # fmt: skip
-    """One token. Its workspace row [pre n | post n | comb n*n | sum of squares] is viewed as an [RB, NP]
-    tile of rows of n: row 0 pre, row 1 post, rows 2..n+1 the comb rows j (columns k), then the sum of
-    squares at (n + 2, 0); the head (COMB=False) has row 0 pre and the sum of squares at (1, 0)."""
-    pdl_prologue(PDL)
-    tok = tl.program_id(0).to(tl.int64)
+    """One token's logits z = m * scale + base from its SPLIT partial mixes: the workspace row [pre n | post n |
+    comb n*n | sum of squares] viewed as an [RB, NP] tile of rows of n (row 0 pre, row 1 post, rows 2..n+1 the comb
+    rows j (columns k), the sum of squares at (n + 2, 0); the head / pre alone (COMB=False): row 0 pre, the sum of
+    squares at (1, 0)). Returns (z, r, c, off, val): the tile, its row and column indices, each entry's column in
+    the workspace row / base / outputs, and which entries are logits."""
     r = tl.arange(0, RB)[:, None]
     c = tl.arange(0, NP)[None, :]
-    off = r * N + c  # the column of (r, c) in the workspace row, base and the outputs
+    off = r * N + c
     R_SQ: tl.constexpr = 2 + N if COMB else 1
     val = (c < N) & (r < R_SQ)
     sq_at = (r == R_SQ) & (c == 0)
@@ -151,8 +153,23 @@ def _coefficients_epilogue_kernel(
     m = tl.sum(part, axis=0)  # [RB, NP]
     sq = tl.sum(tl.sum(tl.where(sq_at, m, 0.0), axis=1), axis=0)
     m = m * (1.0 / tl.sqrt_rn(sq / K + norm_eps))  # RMSNorm of the flattened streams, applied to the mixes
-
     z = m * tl.load(scale_ptr + tl.minimum(r, 2 if COMB else 0)) + tl.load(base_ptr + off, mask=val, other=0.0)
+    return z, r, c, off, val
+
+
+@triton.jit(do_not_specialize=["T"])
+def _coefficients_epilogue_kernel(
+    ws_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, K, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
+    SP2: tl.constexpr, COMB: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One token (``_site_logits`` for the workspace's layout): pre, and with COMB post and the Sinkhorn comb."""
+    pdl_prologue(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    z, r, c, off, val = _site_logits(
+        ws_ptr, base_ptr, scale_ptr, tok, T, K, norm_eps, N, NP, RB, NPAD, SPLIT, SP2, COMB
+    )  # fmt: skip
     pre = _sigmoid(z) + hc_eps
     tl.store(pre_ptr + tok * N + c + 0 * r, pre, mask=val & (r == 0))
     if COMB:
@@ -170,14 +187,22 @@ def _coefficients_epilogue_kernel(
 
 
 @triton.jit
-def _collapsed(x_ptr, w_ptr, t, D, cols, N: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _collapsed(
+    x_ptr, w, t, D, cols, N: tl.constexpr, OUT_DTYPE: tl.constexpr, r, c, FROM_TILE: tl.constexpr
+):  # fmt: skip
     """sum_j w[t, j] * x[t, j, cols] in fp32 (j in order), rounded to OUT_DTYPE and read back as fp32; 0 past D.
-    Both collapse kernels make their rows with it (rounding again at the store changes no bit)."""
+    ``w`` points at the [T, n] weights, or with FROM_TILE is an [RB, NP] register tile (``_site_logits``'s layout,
+    rows / columns ``r`` / ``c``) whose row 0 holds token t's weights, each picked out by a sum of zeros and itself
+    (exact): the same products. The collapse kernels make their rows with it (rounding again at the store changes
+    no bit)."""
     ok = cols < D
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(N):
-        w = tl.load(w_ptr + t * N + j).to(tl.float32)
-        acc += w * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+        if FROM_TILE:
+            wj = tl.sum(tl.sum(tl.where((r == 0) & (c == j), w, 0.0), axis=1), axis=0)
+        else:
+            wj = tl.load(w + t * N + j).to(tl.float32)
+        acc += wj * tl.load(x_ptr + (t * N + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
     return acc.to(OUT_DTYPE).to(tl.float32)
 
 
@@ -186,8 +211,36 @@ def _collapse_kernel(x_ptr, w_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.cons
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    u = _collapsed(x_ptr, w_ptr, t, D, cols, N, out_ptr.dtype.element_ty)
+    u = _collapsed(x_ptr, w_ptr, t, D, cols, N, out_ptr.dtype.element_ty, 0, 0, False)
     tl.store(out_ptr + t * D + cols, u.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _collapse_rms_norm_row(
+    x_ptr, w, g_ptr, out_ptr, t, D, eps, r, c, N: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    FROM_TILE: tl.constexpr,
+):  # fmt: skip
+    """Token t: u = the collapse (``_collapsed`` with ``w``) rounded to the output dtype, then ``_rms_norm_kernel``'s
+    arithmetic over u (the same BLOCK / warps). ONE_CHUNK (D <= BLOCK) keeps u in registers; longer rows collapse
+    each chunk again for the second pass (the same bits)."""
+    cols = tl.arange(0, BLOCK)
+    out_dtype = out_ptr.dtype.element_ty
+    if ONE_CHUNK:
+        u = _collapsed(x_ptr, w, t, D, cols, N, out_dtype, r, c, FROM_TILE)
+        inv = inv_rms(tl.sum(u * u, axis=0), D, eps)
+        y = u * inv * tl.load(g_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + cols, y.to(out_dtype), mask=cols < D)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            u = _collapsed(x_ptr, w, t, D, start + cols, N, out_dtype, r, c, FROM_TILE)
+            acc += u * u
+        inv = inv_rms(tl.sum(acc, axis=0), D, eps)
+        for start in range(0, D, BLOCK):
+            cc = start + cols
+            u = _collapsed(x_ptr, w, t, D, cc, N, out_dtype, r, c, FROM_TILE)
+            y = u * inv * tl.load(g_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * D + cc, y.to(out_dtype), mask=cc < D)
 
 
 @triton.jit
@@ -195,31 +248,28 @@ def _collapse_rms_norm_kernel(
     x_ptr, w_ptr, g_ptr, out_ptr, D, eps, N: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False
 ):  # fmt: skip
-    """One token: u = the collapse rounded to the output dtype, then ``_rms_norm_kernel``'s arithmetic over u (the
-    same BLOCK / warps). For bf16 streams that is bitwise the two kernels in a row (the GPU tests check it at T = 1
-    to 4096, d = 4096 / 5120); fp32 streams agree to fp32 rounding (some rows' statistics differ by an ulp: the
-    sum's register layout follows the loads, which differ). ONE_CHUNK (D <= BLOCK) keeps u in registers; longer
-    rows collapse each chunk again for the second pass (the same bits)."""
+    """One token: the collapse with its weights [T, n], then the RMSNorm (``_collapse_rms_norm_row``). For bf16
+    streams that is bitwise the two kernels in a row (the GPU tests check it at T = 1 to 4096, d = 4096 / 5120);
+    fp32 streams agree to fp32 rounding (some rows' statistics differ by an ulp: the sum's register layout follows
+    the loads, which differ)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    out_dtype = out_ptr.dtype.element_ty
-    if ONE_CHUNK:
-        u = _collapsed(x_ptr, w_ptr, t, D, cols, N, out_dtype)
-        inv = inv_rms(tl.sum(u * u, axis=0), D, eps)
-        y = u * inv * tl.load(g_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * D + cols, y.to(out_dtype), mask=cols < D)
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, D, BLOCK):
-            u = _collapsed(x_ptr, w_ptr, t, D, start + cols, N, out_dtype)
-            acc += u * u
-        inv = inv_rms(tl.sum(acc, axis=0), D, eps)
-        for start in range(0, D, BLOCK):
-            c = start + cols
-            u = _collapsed(x_ptr, w_ptr, t, D, c, N, out_dtype)
-            y = u * inv * tl.load(g_ptr + c, mask=c < D, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t * D + c, y.to(out_dtype), mask=c < D)
+    _collapse_rms_norm_row(x_ptr, w_ptr, g_ptr, out_ptr, t, D, eps, 0, 0, N, BLOCK, ONE_CHUNK, False)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _pre_collapse_rms_norm_kernel(
+    ws_ptr, base_ptr, scale_ptr, x_ptr, g_ptr, out_ptr, T, K, D, norm_eps, hc_eps, eps,
+    N: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr, NPAD: tl.constexpr, SPLIT: tl.constexpr,
+    SP2: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One token: pre from its partial mixes (the head epilogue's arithmetic), then the collapse and RMSNorm with
+    it in registers (``_collapse_rms_norm_row``), without pre's round trip through memory and a launch."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    z, r, c, off, val = _site_logits(ws_ptr, base_ptr, scale_ptr, t, T, K, norm_eps, N, NP, RB, NPAD, SPLIT, SP2, False)
+    pre = _sigmoid(z) + hc_eps
+    _collapse_rms_norm_row(x_ptr, pre, g_ptr, out_ptr, t, D, eps, r, c, N, BLOCK, ONE_CHUNK, True)
 
 
 @triton.jit
@@ -371,6 +421,37 @@ def mhc_collapse_rms_norm_triton(
     return out
 
 
+def mhc_pre_collapse_rms_norm_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    eps: float,
+    adaptive: bool = False,
+) -> torch.Tensor:
+    """Two launches: the mixes of fn's n rows (``_mixes_workspace``, as ``mhc_head_weights``), then one program per
+    token for pre, the collapse and the norm (``_pre_collapse_rms_norm_kernel``)."""
+    require_same_device(x, fn, base, scale, norm_weight)
+    t, n, d = x.shape
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    ws, split, npad = _mixes_workspace(x, fn, n, adaptive)
+    block, warps = norm_config(d)  # rms_norm's: the same reduction tree
+    meta = _epilogue_meta(n, npad, split, comb=False)
+    del meta["COMB"]  # the head's layout: the kernel has no comb
+    meta["num_warps"] = warps
+    _pre_collapse_rms_norm_kernel[(t,)](
+        ws, base.float().contiguous(), scale.float().contiguous(), x.contiguous(), norm_weight.contiguous(), out,
+        t, n * d, d, float(norm_eps), float(hc_eps), float(eps),
+        BLOCK=block, ONE_CHUNK=d <= block, **meta, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
+
+
 def mhc_expand_triton(
     x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -400,11 +481,17 @@ def mhc_head_weights_triton_adaptive(x, fn, base, scale, norm_eps, hc_eps):
     return mhc_head_weights_triton(x, fn, base, scale, norm_eps, hc_eps, adaptive=True)
 
 
+def mhc_pre_collapse_rms_norm_triton_adaptive(x, fn, base, scale, norm_weight, norm_eps, hc_eps, eps):
+    """``mhc_pre_collapse_rms_norm`` with the tilings for up to ADAPTIVE_MAX_TOKENS tokens: not batch-invariant."""
+    return mhc_pre_collapse_rms_norm_triton(x, fn, base, scale, norm_weight, norm_eps, hc_eps, eps, adaptive=True)
+
+
 for _op, _fn in (
     ("mhc_coefficients", mhc_coefficients_triton),
     ("mhc_head_weights", mhc_head_weights_triton),
     ("mhc_collapse", mhc_collapse_triton),
     ("mhc_collapse_rms_norm", mhc_collapse_rms_norm_triton),
+    ("mhc_pre_collapse_rms_norm", mhc_pre_collapse_rms_norm_triton),
     ("mhc_expand", mhc_expand_triton),
 ):
     register_backend(
@@ -413,6 +500,7 @@ for _op, _fn in (
 for _op, _fn in (
     ("mhc_coefficients", mhc_coefficients_triton_adaptive),
     ("mhc_head_weights", mhc_head_weights_triton_adaptive),
+    ("mhc_pre_collapse_rms_norm", mhc_pre_collapse_rms_norm_triton_adaptive),
 ):
     register_backend(
         _op, "triton_adaptive", _fn, devices=("cuda",), priority=30, available=triton_cuda_available,
