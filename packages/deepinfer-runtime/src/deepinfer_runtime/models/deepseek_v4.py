@@ -28,9 +28,7 @@ from deepinfer_kernels import (
     kv_compress_pool,
     kv_compress_pool_rows,
     linear,
-    mhc_coefficients,
     mhc_collapse,
-    mhc_expand,
     mhc_head_weights,
     mhc_pre_collapse_rms_norm,
     mhc_same_site_sublayer,
@@ -411,18 +409,15 @@ class Block(MhcBlock):
         if not x.is_cuda or x.shape[0] > SPLIT_SITE_MAX_TOKENS or batch_invariant():
             return mhc_same_site_sublayer(x, f, params, self.hc, norm=norm.fused)
         n = x.shape[1]
-        side = SideStream.of(x.device, "mhc")  # its own lane: the sublayer's branches do not queue behind it
-        with side.branch():
-            _, post, comb = mhc_coefficients(x, params, self.hc)
-        u = mhc_pre_collapse_rms_norm(
-            x, params.fn[:n], params.base[:n], params.scale[:1], norm.weight,
-            norm_eps=self.hc.norm_eps, hc_eps=self.hc.hc_eps, eps=norm.eps,
-        )  # fmt: skip
-        y = f(u)
-        side.join()
-        if isinstance(y, tuple):  # two addends (a MoE's routed and shared experts), summed by the expand
-            return mhc_expand(x, y[0], post, comb, y_add=y[1])
-        return mhc_expand(x, y, post, comb)
+
+        def sublayer_input() -> torch.Tensor:
+            return mhc_pre_collapse_rms_norm(
+                x, params.fn[:n], params.base[:n], params.scale[:1], norm.weight,
+                norm_eps=self.hc.norm_eps, hc_eps=self.hc.hc_eps, eps=norm.eps,
+            )  # fmt: skip
+
+        # its own lane: the sublayer's branches on the layer lane do not queue behind the coefficients
+        return self.site_beside(x, site, sublayer_input, f, lane="mhc")[0]
 
 
 class MTPLayer(Block):

@@ -46,9 +46,7 @@ from deepinfer_kernels import (
     kv_compress_pool,
     kv_compress_pool_rows,
     linear,
-    mhc_coefficients,
     mhc_collapse,
-    mhc_expand,
     mhc_initial_pre_mix,
     moe_route_topk,
     rope_interleaved,
@@ -684,13 +682,7 @@ class Block(MhcBlock):
         site read them, so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before
         it. ``f`` takes the normed collapse and returns the sublayer's output, or two addends of it (the expand
         adds them: ``mhc_expand``'s y_add)."""
-        side = SideStream.of(x.device)
-        with side.branch():
-            p, q, c = mhc_coefficients(x, self.mhc(site), self.hc)
-        y = f(norm.collapse(x, pre_mix))
-        side.join()
-        y, y_add = y if isinstance(y, tuple) else (y, None)
-        return mhc_expand(x, y, q, c, y_add=y_add), p
+        return self.site_beside(x, site, lambda: norm.collapse(x, pre_mix), f)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from deepinfer_kernels import (
     gather_rows,
     linear,
     linear_many,
+    mhc_coefficients,
     mhc_collapse_rms_norm,
+    mhc_expand,
     moe_experts,
     rms_norm,
     rms_norm_rope,
@@ -290,3 +292,18 @@ class MhcBlock(nn.Module):
         return MhcParams(
             getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
         )
+
+    def site_beside(
+        self, x: torch.Tensor, site: str, sublayer_input: Callable[[], torch.Tensor], f: Callable, lane: str = "layer"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One mHC site with its coefficients made beside the sublayer, on side lane ``lane``: (pre, post, comb) =
+        ``mhc_coefficients(x)`` there, meanwhile y = f(sublayer_input()) on the current stream (an input that does
+        not wait for them: V4.1's lagged collapse, V4's ``mhc_pre_collapse_rms_norm``); returns (``mhc_expand`` of
+        y, or of y[0] + y[1] when f returns two addends (its y_add), pre)."""
+        side = SideStream.of(x.device, lane)
+        with side.branch():
+            pre, post, comb = mhc_coefficients(x, self.mhc(site), self.hc)
+        y = f(sublayer_input())
+        side.join()
+        y, y_add = y if isinstance(y, tuple) else (y, None)
+        return mhc_expand(x, y, post, comb, y_add=y_add), pre

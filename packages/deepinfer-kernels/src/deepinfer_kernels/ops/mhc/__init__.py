@@ -159,6 +159,21 @@ def mhc_expand(
     return dispatch("mhc_expand", x.device, x, y, post, comb, y_add)
 
 
+def _check_pre_params(
+    op: str, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+) -> tuple[int, int, int]:
+    """x's (T, n, d) after checking one pre weight set (the head's, or a site's pre rows): fn [n, n*d], base [n],
+    one scale."""
+    t, n, d = _check_streams(x, op)
+    if tuple(fn.shape) != (n, n * d):
+        raise ValueError(f"{op}: fn {tuple(fn.shape)} != ({n}, {n * d})")
+    if tuple(base.shape) != (n,):
+        raise ValueError(f"{op}: base {tuple(base.shape)} != ({n},)")
+    if scale.numel() != 1:
+        raise ValueError(f"{op}: scale must have one element, got {tuple(scale.shape)}")
+    return t, n, d
+
+
 def mhc_head_weights(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -177,13 +192,7 @@ def mhc_head_weights(
     Returns:
         pre [T, n] fp32; the final hidden state is ``mhc_collapse(x, pre)``.
     """
-    t, n, d = _check_streams(x, "mhc_head_weights")
-    if tuple(fn.shape) != (n, n * d):
-        raise ValueError(f"mhc_head_weights: fn {tuple(fn.shape)} != ({n}, {n * d})")
-    if tuple(base.shape) != (n,):
-        raise ValueError(f"mhc_head_weights: base {tuple(base.shape)} != ({n},)")
-    if scale.numel() != 1:
-        raise ValueError(f"mhc_head_weights: scale must have one element, got {tuple(scale.shape)}")
+    _check_pre_params("mhc_head_weights", x, fn, base, scale)
     return dispatch("mhc_head_weights", x.device, x, fn, base, scale.reshape(1), norm_eps, hc_eps)
 
 
@@ -211,13 +220,7 @@ def mhc_pre_collapse_rms_norm(
     Returns:
         [T, d] in x.dtype. The reference is the composition; the Triton backends agree with it to fp32 rounding.
     """
-    t, n, d = _check_streams(x, "mhc_pre_collapse_rms_norm")
-    if tuple(fn.shape) != (n, n * d):
-        raise ValueError(f"mhc_pre_collapse_rms_norm: fn {tuple(fn.shape)} != ({n}, {n * d})")
-    if tuple(base.shape) != (n,):
-        raise ValueError(f"mhc_pre_collapse_rms_norm: base {tuple(base.shape)} != ({n},)")
-    if scale.numel() != 1:
-        raise ValueError(f"mhc_pre_collapse_rms_norm: scale must have one element, got {tuple(scale.shape)}")
+    d = _check_pre_params("mhc_pre_collapse_rms_norm", x, fn, base, scale)[2]
     if tuple(norm_weight.shape) != (d,):
         raise ValueError(f"mhc_pre_collapse_rms_norm: norm_weight {tuple(norm_weight.shape)} != ({d},)")
     return dispatch(

@@ -336,10 +336,11 @@ def _mixes_workspace(
     return ws, split, npad
 
 
-def _epilogue_meta(n: int, npad: int, split: int, comb: bool) -> dict:
+def _workspace_meta(n: int, npad: int, split: int) -> dict:
+    """The constexprs of ``_site_logits``' view of a token's workspace row (both kernels that read the partials)."""
     return dict(
         N=n, NP=triton.next_power_of_2(n), RB=triton.next_power_of_2(n + 3), NPAD=npad, SPLIT=split,
-        SP2=triton.next_power_of_2(split), COMB=comb, num_warps=EPI_WARPS,
+        SP2=triton.next_power_of_2(split),
     )  # fmt: skip
 
 
@@ -364,7 +365,7 @@ def mhc_coefficients_triton(
     _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
         t, n * d, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-        **_epilogue_meta(n, npad, split, comb=True), **pdl_options(ws.device),
+        **_workspace_meta(n, npad, split), COMB=True, num_warps=EPI_WARPS, **pdl_options(ws.device),
     )  # fmt: skip
     return pre, post, comb
 
@@ -387,7 +388,7 @@ def mhc_head_weights_triton(
     _coefficients_epilogue_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), pre, pre, pre,
         t, n * d, float(norm_eps), float(hc_eps), 1,
-        **_epilogue_meta(n, npad, split, comb=False), **pdl_options(ws.device),
+        **_workspace_meta(n, npad, split), COMB=False, num_warps=EPI_WARPS, **pdl_options(ws.device),
     )  # fmt: skip
     return pre
 
@@ -441,13 +442,10 @@ def mhc_pre_collapse_rms_norm_triton(
         return out
     ws, split, npad = _mixes_workspace(x, fn, n, adaptive)
     block, warps = norm_config(d)  # rms_norm's: the same reduction tree
-    meta = _epilogue_meta(n, npad, split, comb=False)
-    del meta["COMB"]  # the head's layout: the kernel has no comb
-    meta["num_warps"] = warps
     _pre_collapse_rms_norm_kernel[(t,)](
         ws, base.float().contiguous(), scale.float().contiguous(), x.contiguous(), norm_weight.contiguous(), out,
         t, n * d, d, float(norm_eps), float(hc_eps), float(eps),
-        BLOCK=block, ONE_CHUNK=d <= block, **meta, **pdl_options(x.device),
+        BLOCK=block, ONE_CHUNK=d <= block, **_workspace_meta(n, npad, split), num_warps=warps, **pdl_options(x.device),
     )  # fmt: skip
     return out
 
