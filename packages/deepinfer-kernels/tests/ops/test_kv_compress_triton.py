@@ -48,6 +48,12 @@ def _check(groups, slots, ck, width, lead, device, seed):
     assert_bitwise(got, dense, f"ring rows vs dense layout L={slots} C={width}")
     for b in (0, groups - 1):  # one group alone: the same bits
         assert_bitwise(kv_compress_pool_rows_triton(kv, score, rows[b : b + 1], lead, width)[0], got[b], f"group {b}")
+    half = kv_compress_pool_rows_triton(kv, score, rows, lead, width, out_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    if kv.is_cuda:  # one rounding at the store, to nearest even: torch's cast of the fp32 result
+        assert_bitwise(half, got.to(torch.bfloat16), f"out_dtype bf16 L={slots}")
+    else:  # the interpreter's bf16 store truncates
+        assert_rel_close(half.float(), got, 8e-3, f"out_dtype bf16 L={slots}")
 
 
 def _interp_case(groups, slots, ck, width, lead):
@@ -86,3 +92,16 @@ def test_gpu_models_shapes(slots, ck, width, lead):
         pytest.skip("needs CUDA")
     for groups in (1, 257):
         _check(groups, slots, ck, width, lead, "cuda", groups + slots)
+
+
+def test_out_dtype_through_the_op():
+    """The op's out_dtype: the pooled fp32 values rounded once (the reference: its fp32 result cast); a non-float
+    dtype is refused by name."""
+    from deepinfer_kernels.ops.kv_compress import kv_compress_pool_rows
+
+    kv, score, rows = _rings(3, 8, 96, "cpu", 5)
+    got = kv_compress_pool_rows(kv, score, rows, 4, 48, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, kv_compress_pool_rows_ref(kv, score, rows, 4, 48).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        kv_compress_pool_rows(kv, score, rows, 4, 48, out_dtype=torch.int32)

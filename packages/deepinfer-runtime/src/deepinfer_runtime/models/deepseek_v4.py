@@ -128,8 +128,8 @@ class Compressor(nn.Module):
         score_table = batch.write((*key, "score"), score, bias=(self.ape, batch[("pos_mod", r)]))
         # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
         rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
-        pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c)
-        batch.append(key, self.norm.rope(pooled.to(dtype), batch[("group_start", r)], inv_freq))
+        pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c, out_dtype=dtype)
+        batch.append(key, self.norm.rope(pooled, batch[("group_start", r)], inv_freq))
 
 
 class Indexer(nn.Module):

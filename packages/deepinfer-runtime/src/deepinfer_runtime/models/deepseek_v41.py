@@ -347,7 +347,7 @@ class Compressor(nn.Module):
 
     def pool_rows(self, kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``pool`` of groups read in place: kv, score [N, D] fp32 row tables, rows [G, ratio] ids (-1 empty)."""
-        return self.norm(kv_compress_pool_rows(kv, score, rows, 0, kv.shape[-1]).to(dtype))
+        return self.norm(kv_compress_pool_rows(kv, score, rows, 0, kv.shape[-1], out_dtype=dtype))
 
 
 def pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:

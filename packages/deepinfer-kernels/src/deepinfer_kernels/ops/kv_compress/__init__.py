@@ -29,7 +29,12 @@ def kv_compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 
 def kv_compress_pool_rows(
-    kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, lead: int, width: int
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    rows: torch.Tensor,
+    lead: int,
+    width: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``kv_compress_pool`` of groups gathered from row tables (a decode step's compressor rings, read in place).
 
@@ -44,9 +49,11 @@ def kv_compress_pool_rows(
         rows: [B, L] int64 row ids into the tables, -1 = empty slot.
         lead: number of leading slots reading channels [0, width).
         width: C, the pooled width (Ck or Ck / 2).
+        out_dtype: the result's dtype (default kv.dtype): the pooled values rounded once, bitwise ``.to(out_dtype)``
+            of the kv.dtype result when kv is fp32 (a decode step's entries in the model dtype without a cast kernel).
 
     Returns:
-        [B, C] in kv.dtype: bitwise ``kv_compress_pool`` of the gathered [B, L, C] groups on every backend that
+        [B, C] in out_dtype: bitwise ``kv_compress_pool`` of the gathered [B, L, C] groups on every backend that
         serves both (the reference gathers and calls the reference; the Triton kernel shares its reduction).
     """
     if kv.shape != score.shape or kv.dim() != 2 or rows.dim() != 2:
@@ -61,7 +68,9 @@ def kv_compress_pool_rows(
         )
     if rows.dtype != torch.int64:
         raise ValueError(f"kv_compress_pool_rows: rows must be int64, got {rows.dtype}")
-    return dispatch("kv_compress_pool_rows", kv.device, kv, score, rows, int(lead), int(width))
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"kv_compress_pool_rows: out_dtype must be a float dtype, got {out_dtype}")
+    return dispatch("kv_compress_pool_rows", kv.device, kv, score, rows, int(lead), int(width), out_dtype)
 
 
 try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)

@@ -19,7 +19,12 @@ def kv_compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 @register_reference("kv_compress_pool_rows")
 def kv_compress_pool_rows_ref(
-    kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, lead: int, width: int
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    rows: torch.Tensor,
+    lead: int,
+    width: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Gather each group's slots ([B, L, C]; empty slots kv 0, score -inf) and pool them (``kv_compress_pool_ref``)."""
     ck = kv.shape[1]
@@ -31,4 +36,5 @@ def kv_compress_pool_rows_ref(
         g = torch.cat([g[:, :lead, :width], g[:, lead:, ck - width :]], dim=1)
         return torch.where(held, g, torch.full((), empty, dtype=t.dtype, device=t.device))
 
-    return kv_compress_pool_ref(gather(kv, 0.0), gather(score, float("-inf")))
+    pooled = kv_compress_pool_ref(gather(kv, 0.0), gather(score, float("-inf")))
+    return pooled if out_dtype is None else pooled.to(out_dtype)

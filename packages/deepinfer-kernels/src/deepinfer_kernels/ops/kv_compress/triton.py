@@ -78,12 +78,18 @@ def kv_compress_pool_triton(kv: torch.Tensor, score: torch.Tensor) -> torch.Tens
 
 
 def kv_compress_pool_rows_triton(
-    kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, lead: int, width: int
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    rows: torch.Tensor,
+    lead: int,
+    width: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     require_same_device(kv, score, rows)
     if kv.stride(-1) != 1 or score.stride() != kv.stride() or kv.stride(0) != kv.shape[1]:
         kv, score = kv.contiguous(), score.contiguous()
-    out = torch.empty(rows.shape[0], width, dtype=kv.dtype, device=kv.device)
+    # the store rounds the fp32 pooled value to out_dtype once (round to nearest even, as torch's cast)
+    out = torch.empty(rows.shape[0], width, dtype=out_dtype or kv.dtype, device=kv.device)
     return _launch(kv, score, rows.contiguous(), out, rows.shape[1], width, lead, gather=True)
 
 
