@@ -1,6 +1,7 @@
 """rms_norm_rope: the reference is rope_interleaved_ref after rms_norm_ref; the Triton kernel (under the interpreter
 on CPU at small shapes, on CUDA at the V4 / V4.1 call-site shapes) is bitwise the Triton rms_norm followed by the
-Triton rope_interleaved, and close to the reference; argument checks and the registry's choice."""
+Triton rope_interleaved, and close to the reference; with out / out_rows the same rows land in a table (rows scattered,
+negative rows skipped, the rest of the table untouched); argument checks and the registry's choice."""
 
 import pytest
 import torch
@@ -31,6 +32,31 @@ def test_reference_is_the_two_references():
     assert_bitwise(rms_norm_rope(x, w, 1e-6, pos, inv), want, "dispatch on the CPU")
 
 
+def _table_case(x, n, seed):
+    """A table of n rows holding other values, and x's rows scattered over it (the last row of x skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn((n, *x.shape[1:]), generator=g).to(x.dtype).to(x.device)
+    rows = torch.randperm(n, generator=g)[: x.shape[0]].to(x.device)
+    rows[-1] = -1
+    return table, rows
+
+
+def _expect_rows(table, y, rows):
+    want = table.clone()
+    keep = rows >= 0
+    want[rows[keep]] = y[keep]
+    return want
+
+
+def test_reference_out_rows_scatters_the_result():
+    x, w, pos, inv = _inputs((5, 3, 48), 16, True, torch.float32, "cpu", 3)
+    table, rows = _table_case(x, 9, 3)
+    want = _expect_rows(table, rms_norm_rope_ref(x, w, 1e-6, pos, inv), rows)
+    got = rms_norm_rope(x, w, 1e-6, pos, inv, out=table, out_rows=rows)
+    assert got is table
+    assert_bitwise(table, want, "reference with out / out_rows")
+
+
 def test_checks_arguments():
     x, w, pos, inv = _inputs((4, 32), 16, True, torch.float32, "cpu", 2)
     with pytest.raises(ValueError, match="weight shape"):
@@ -39,10 +65,20 @@ def test_checks_arguments():
         rms_norm_rope(x, w, 1e-6, pos[:-1], inv)
     with pytest.raises(ValueError, match="rope dim"):
         rms_norm_rope(x, w, 1e-6, pos, rope_inv_freq(64, 10000.0))
+    rows = torch.arange(4)
+    with pytest.raises(ValueError, match="go together"):
+        rms_norm_rope(x, w, 1e-6, pos, inv, out=torch.zeros(8, 32))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        rms_norm_rope(x, w, 1e-6, pos, inv, out=torch.zeros(8, 32, dtype=torch.bfloat16), out_rows=rows)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        rms_norm_rope(x, w, 1e-6, pos, inv, out=torch.zeros(32, 8).t(), out_rows=rows)
+    with pytest.raises(ValueError, match="out_rows must be"):
+        rms_norm_rope(x, w, 1e-6, pos, inv, out=torch.zeros(8, 32), out_rows=rows.float())
 
 
 def _check(x, w, pos, inv, eps, what):
-    """The fused kernel against the two Triton ops (bitwise) and the reference (close)."""
+    """The fused kernel against the two Triton ops (bitwise) and the reference (close); its out / out_rows form
+    stores the same rows into a table (bitwise)."""
     from deepinfer_kernels.ops.rms_norm.triton import rms_norm_triton
     from deepinfer_kernels.ops.rms_norm_rope.triton import rms_norm_rope_triton
     from deepinfer_kernels.ops.rope.triton import rope_interleaved_triton
@@ -51,6 +87,11 @@ def _check(x, w, pos, inv, eps, what):
     assert got.dtype == x.dtype and got.shape == x.shape
     assert_bitwise(got, rope_interleaved_triton(rms_norm_triton(x, w, eps), pos, inv), f"{what}: vs the two kernels")
     assert_rel_close(got, rms_norm_rope_ref(x, w, eps, pos, inv), TOL[x.dtype], f"{what}: vs the reference")
+    table, rows = _table_case(x, 2 * x.shape[0] + 3, x.shape[0])
+    want = _expect_rows(table, got, rows)
+    rows = torch.stack([rows, -rows], dim=1)[:, 0]  # a strided column of a row table, as a decode step passes
+    assert rms_norm_rope_triton(x, w, eps, pos, inv, out=table, out_rows=rows) is table
+    assert_bitwise(table, want, f"{what}: out / out_rows")
 
 
 def _interp_cases() -> None:

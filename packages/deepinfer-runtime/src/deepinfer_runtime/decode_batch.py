@@ -230,6 +230,19 @@ class DecodeBatch:
         table = self.write(key, kv)
         return table, self.ring_ids(key, self.back[key] + 1)
 
+    def window_rows(self, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """``window`` without the write: window ring ``key``'s row table [num_slots x R, D] and the rows of each
+        request's last W positions in it [rows, W], read from the plan alone (so a step makes them before the
+        latents exist). Column W - 1 is the row this step's latent goes to (the position p itself, always held):
+        where the caller stores it (``rms_norm_rope``'s ``out_rows``)."""
+        buf = self.buffers[key]
+        return buf.view(-1, buf.shape[-1]), self.ring_ids(key, self.back[key] + 1)
+
+    def append_rows(self, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``append`` stores: store ``key``'s pool rows [N, C] and each request's row of it [rows] (for ops
+        that store their output rows themselves)."""
+        return self.kv[key].flat, self[("emit", key)]
+
     def append(self, key: object, rows: torch.Tensor) -> None:
         """Store each request's newly completed entry rows [rows, C] of store ``key`` where the plan put it."""
         pool = self.kv[key]

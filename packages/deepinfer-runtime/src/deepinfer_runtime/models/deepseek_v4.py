@@ -116,20 +116,30 @@ class Compressor(nn.Module):
         entries = state.store().view()
         return entries if entries is not None else x.new_zeros(0, self.head_dim)
 
-    def decode(self, kv, score, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
+    def group_rows(self, batch: DecodeBatch, key: tuple) -> torch.Tensor:
+        """[rows, r] (overlap: [rows, 2r]) the ring rows of the group each request's step completes, oldest first,
+        -1 where it completes none (or, with overlap, where the previous window's A-halves are not held): from the
+        plan alone, so a step makes them before its projections (``decode``'s ``rows``)."""
+        r = self.ratio
+        return batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
+
+    def decode(
+        self, kv, score, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor, dtype: torch.dtype, rows=None
+    ) -> None:
         """``forward`` for a planned decode step (``decode_batch``), from the step's projections kv = x wkv^T and
         score = x wgate^T ([rows, width] fp32, one row per request; ``Attention.decode`` makes them with the
-        layer's other projections of x); entries in ``dtype``; ``key`` = (name, layer) of its rings and store.
+        layer's other projections of x); entries in ``dtype``; ``key`` = (name, layer) of its rings and store;
+        ``rows``: ``group_rows``, when the caller made them already.
         The requests whose row completes a group pool it from their rings in place (the others' rows are empty:
         their NaN entries go to the scratch row the plan gave them)."""
         r, c = self.ratio, self.head_dim
         kv_table = batch.write((*key, "kv"), kv)
         # the ring holds score + ape[p % r], summed in the write's kernel
         score_table = batch.write((*key, "score"), score, bias=(self.ape, batch[("pos_mod", r)]))
-        # the group's slots, oldest first; with overlap the previous window's A-halves lead (empty where not held)
-        rows = batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
+        rows = self.group_rows(batch, key) if rows is None else rows
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c, out_dtype=dtype)
-        batch.append(key, self.norm.rope(pooled, batch[("group_start", r)], inv_freq))
+        pool, emit = batch.append_rows(key)  # the norm + RoPE kernel stores the entries itself
+        self.norm.rope(pooled, batch[("group_start", r)], inv_freq, out=pool, out_rows=emit)
 
 
 class Indexer(nn.Module):
@@ -148,9 +158,15 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, d], qr [S, q_lora_rank] -> (post-RoPE queries [S, H, Dh], head weights [S, H] fp32 with the
         1/sqrt(H) scale). ``xw``: x weights_proj^T when the caller made it already (x is then not read)."""
+        xw = self.weights_proj(x) if xw is None else xw
+        return self.rotated_query(qr, positions, inv_freq), self.head_weights(xw)
+
+    def rotated_query(self, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
-        return q, (self.weights_proj(x) if xw is None else xw).float() * self.n_heads**-0.5
+        return rope_interleaved(q, positions, inv_freq, out=q)  # in place: only the rotated channels move
+
+    def head_weights(self, xw: torch.Tensor) -> torch.Tensor:
+        return xw.float() * self.n_heads**-0.5
 
     def forward(
         self,
@@ -168,15 +184,21 @@ class Indexer(nn.Module):
         scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
         return indexer_topk(scores, visible, self.topk)[0]
 
+    def decode_keys(self, proj: list[torch.Tensor], batch: DecodeBatch, layer: int, inv_freq, dtype, rows=None):
+        """What a planned decode step makes beside its query (the caller's branch): the head weights [rows, H] fp32
+        from proj[0] and the index keys' compressor step from proj[1:3] (``projections``; keys in ``dtype``;
+        ``rows``: the compressor's ``group_rows``, made already). Returns the head weights (read after the join)."""
+        weights = self.head_weights(proj[0])
+        self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, dtype, rows)
+        return weights
+
     def decode(
-        self, proj: list[torch.Tensor], qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq, side: SideStream
+        self, weights: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq, side: SideStream
     ):
-        """``forward`` for a planned decode step from the step's projections of x [rows, d] (``proj`` = [x
-        weights_proj^T, x compressor.wkv^T, x compressor.wgate^T], see ``projections``) and qr [rows, q_lora_rank]
-        -> entry ids [rows, k]. The caller has branched the index keys' compressor (``compressor.decode`` of
-        proj[1:3]) on ``side``: the query runs beside it, the scores after the join."""
-        pos = batch["pos"]
-        q, weights = self.query(None, qr, pos, inv_freq, xw=proj[0])
+        """``forward`` for a planned decode step from qr [rows, q_lora_rank] and the head weights [rows, H] that
+        ``decode_keys`` made on ``side`` (with the index keys): the query runs beside them, the scores after the
+        join -> entry ids [rows, k]."""
+        q = self.rotated_query(qr, batch["pos"], inv_freq)
         side.join()
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
@@ -284,36 +306,48 @@ class Attention(nn.Module):
         """``forward`` for a planned decode step (``decode_batch``): x [rows, d] (normed), one row per request ->
         [rows, d]. One attention call over two segments: the window rows of every request [rows x W, D] and the
         pool of compressed entries, read in place through each request's block table."""
-        pos = batch["pos"]
-        proj = project(x, *self.projections())
-        side = SideStream.of(x.device)
-        key = ("comp", self.layer)
-        # beside the query path, what nothing on it reads before the join: the compressors (ring writes, entry
-        # stores) and the window's latents with their ring write and row table. The index keys' compressor takes
-        # a lane of its own: the index scores wait for it alone, not for the attention's compressor and window
-        # (at batch 1 the three in a row outlast the query path by about 15 us).
-        with side.branch():
-            if self.kind != SLIDING:
-                self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype)
-            kv_all, idx = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
-        if self.kind == CSA:
-            index_side = SideStream.of(x.device, "index")
-            with index_side.branch():
-                self.indexer.compressor.decode(proj[5], proj[6], batch, ("idx", self.layer), self.inv_freq, x.dtype)
-        qr, q = self.query(x, pos, xa=proj[0])
-        if self.kind == CSA:  # (joins its lane before the index scores)
-            picked = self.indexer.decode(proj[4:], qr, batch, self.layer, self.inv_freq, index_side)
-        side.join()
-        if self.kind != SLIDING:
-            # the row table [window rows | pool rows of the picked entries] in one launch: HCA picks every entry a
-            # request sees (its first `visible` ones), CSA the indexer's
-            kw = dict(offset=kv_all.shape[0], prefix=idx)
-            if self.kind == CSA:
-                idx = batch.pool_rows(key, picked, **kw)
-            else:
+        pos, key, dev = batch["pos"], ("comp", self.layer), x.device
+        # Beside the query path, what nothing on it reads before the join, on lanes of their own: the compressor
+        # (ring writes, pooling, entry stores), the window's latents (norm + RoPE into the ring) and, on CSA, the
+        # index keys' compressor, so that the index scores wait for their keys alone. Each lane first makes what
+        # it reads from the plan alone, beside the projections (the window's and the groups' ring rows; HCA's
+        # whole attention row table), and after them only the latents' few kernels: while the q up-projection
+        # streams its weight a side kernel takes 3-5 us, not 1-2, and the chain used to end after the query.
+        comp, window = SideStream.of(dev), SideStream.of(dev, "window")
+        index = SideStream.of(dev, "index") if self.kind == CSA else None
+        with window.branch():
+            table, win_ids = batch.window_rows(("window", self.layer))
+            if self.kind == HCA:  # every entry a request sees (its first `visible`), after its window rows
                 visible = batch[("visible", self.compressor.ratio)]
-                idx = batch.pool_rows(key, batch.entry_capacity(key), limit=visible, **kw)
-            kv_all = (kv_all, batch.kv[key].flat)  # the entries are read in place, from the pool
+                idx = batch.pool_rows(
+                    key, batch.entry_capacity(key), limit=visible, offset=table.shape[0], prefix=win_ids
+                )
+        if self.kind != SLIDING:
+            with comp.branch():
+                groups = self.compressor.group_rows(batch, key)
+        if index is not None:
+            with index.branch():
+                index_groups = self.indexer.compressor.group_rows(batch, ("idx", self.layer))
+        proj = project(x, *self.projections())
+        if self.kind != SLIDING:
+            with comp.branch():
+                self.compressor.decode(proj[2], proj[3], batch, key, self.inv_freq, x.dtype, groups)
+        with window.branch():  # the new latents straight into their ring rows (the window's newest column)
+            self.kv_norm.rope(proj[1], pos, self.inv_freq, out=table, out_rows=win_ids[:, -1])
+        if index is not None:
+            with index.branch():
+                weights = self.indexer.decode_keys(proj[4:], batch, self.layer, self.inv_freq, x.dtype, index_groups)
+        qr, q = self.query(x, pos, xa=proj[0])
+        if index is not None:  # (joins its lane before the index scores)
+            picked = self.indexer.decode(weights, qr, batch, self.layer, self.inv_freq, index)
+        comp.join()
+        window.join()
+        if self.kind == SLIDING:
+            kv_all, idx = table, win_ids
+        else:
+            if self.kind == CSA:  # [window rows | pool rows of the picked entries] in one launch
+                idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
+            kv_all = (table, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)
 

@@ -127,10 +127,10 @@ class Norm(nn.Module):
         """This norm of ``mhc_collapse(x, weights)`` in one op (the same bits for bf16 streams): [T, n, d] -> [T, d]."""
         return mhc_collapse_rms_norm(x, weights, self.weight, self.eps)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, **into) -> torch.Tensor:
         """RoPE on the trailing channels of this norm's output, in one op: bitwise ``rope_interleaved(self(x),
-        positions, inv_freq)``; a new tensor."""
-        return rms_norm_rope(x, self.weight, self.eps, positions, inv_freq)
+        positions, inv_freq)``; a new tensor, or rows of a table with ``into`` = out / out_rows (``rms_norm_rope``)."""
+        return rms_norm_rope(x, self.weight, self.eps, positions, inv_freq, **into)
 
 
 def embed_streams(weight: torch.Tensor, ids: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ the routed experts (both), V4.1's mHC coefficients beside the sublayer they wrap
 previous site's weights, so only the expand waits for them). Some work takes lanes of its own: V4.1's Engram
 values (hash, row gather, value projection: token ids only; lane "engram") beside the layers before their gate, V4's
 index-key compressor (lane "index"), so that the index scores wait for their keys alone, not for the attention's
-compressor and window, V4's post / comb coefficients at decode sizes (lane "mhc", beside the sublayer whose input
+compressor and window, V4's window latents (lane "window", beside its compressor on "layer"), V4's post / comb
+coefficients at decode sizes (lane "mhc", beside the sublayer whose input
 the site makes from its pre alone), and the shared expert (lane "shared"):
 
     side = SideStream.of(x.device)
@@ -28,8 +29,8 @@ when kernels of several streams wait for SMs, the block scheduler starts the hig
 and a graph replay keeps the priority each kernel was captured with (PyTorch instantiates graphs with node
 priorities). A weight stream fills every SM with its programs; without priorities a short kernel of another branch
 waits for a whole wave of them. So the lanes of short latency-bound chains that the main path will wait for
-(compressors, window latents, index keys, mHC coefficients: lanes "layer", "index", "mhc") come first, the main
-path (``capture_stream``, where a decode step's graph is recorded) next, and weight streams with slack last: the
+(compressors, window latents, index keys, mHC coefficients: lanes "layer", "window", "index", "mhc") come first, the
+main path (``capture_stream``, where a decode step's graph is recorded) next, and weight streams with slack last: the
 shared expert (lane "shared", beside the router and the routed experts) and V4.1's Engram values (lane "engram").
 """
 
@@ -45,7 +46,7 @@ SIDE_STREAMS_ENV = "DEEPINFER_SIDE_STREAMS"  # "0": run the branches in order on
 PRIORITIES_ENV = "DEEPINFER_STREAM_PRIORITIES"  # "0": every stream at CUDA's default priority
 # lower runs first; CUDA's default, 0, is its lowest priority, and out-of-range values clamp to the nearest
 FIRST, MAIN, LAST = -2, -1, 0
-LANE_PRIORITY = {"layer": FIRST, "index": FIRST, "mhc": FIRST, "shared": LAST, "engram": LAST}
+LANE_PRIORITY = {"layer": FIRST, "window": FIRST, "index": FIRST, "mhc": FIRST, "shared": LAST, "engram": LAST}
 
 
 def _priority(level: int) -> int:
