@@ -57,8 +57,10 @@ SPLIT_CHUNK = 4096  # entries per program of the split kernel (a row of 32K: 8 p
 SPLIT_CAND_MAX = 8192  # the split kernel's candidates (pieces x k) per row, held in registers by the last program
 # and at most this many programs (rows x pieces): past it the stream's one program per row is as fast or faster.
 # H200, CUDA graphs, k = 512 (bench_topk_select.py --long): N = 32K at 1 / 8 / 64 / 256 rows 33 / 32 / 74 / 243 us
-# split against 108 / 114 / 123 / 199 streamed; N = 16K at 64 / 256 rows 41 / 128 against 61 / 101
-SPLIT_MAX_PROGRAMS = 512
+# split against 108 / 114 / 123 / 199 streamed; N = 16K at 64 / 256 rows 41 / 128 against 61 / 101. 576 = the nine
+# pieces of a 33792-entry row (V4.1's index at 32K) x 64 rows: 78 us split against 128 streamed (session 21,
+# --buckets; V4.1 batch 64 at 32K 10.75 -> 10.67 ms, twice); every measured count up to it splits as fast or faster
+SPLIT_MAX_PROGRAMS = 576
 INT_MIN = tl.constexpr(-2147483648)
 
 
