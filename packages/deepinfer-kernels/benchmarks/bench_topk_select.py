@@ -8,10 +8,11 @@ of the register kernel's warps. ``--long``: only the decode indexer's long rows 
 32K: V4.1's ratio-2 and ratio-1 sources at 32K tokens), in CUDA graphs: the split kernel (pieces of 4096 / 2048
 entries, forced) against the stream (at 8K: the register kernel) and torch.topk, with a table. ``--buckets``: the
 decode rows at the widths a step has them (bucketed block tables: 5120 entries at 4K tokens, 33792 at 32K), the
-registers as a power of two plus a tail against the next power of two, with a table.
+registers as a power of two plus a tail against the next power of two, with a table. ``--model``: the 32K rows
+as the models pass them (lengths, V4.1's candidate mask, indexer-like scores) against the plain op.
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long |
---buckets]``.
+--buckets | --model]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
 
@@ -30,8 +31,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--long", action="store_true", help="only the decode rows past the register kernel")
     ap.add_argument("--buckets", action="store_true", help="only the decode rows at bucketed widths: tail vs pow2")
+    ap.add_argument("--model", action="store_true", help="only the 32K decode rows as the models pass them")
     args = ap.parse_args()
     rec = Recorder("bench_topk_select")
+    if args.model:
+        model_rows(rec)
+        return
     if args.buckets:
         bucket_rows(rec)
         return
@@ -135,6 +140,36 @@ def long_rows(rec: Recorder) -> None:
             rec.add(case="long_rows", n=n, rows=rows, same_rows=same, **{f"{k}_us": v for k, v in us.items()})
             print(f"{n:>6} {rows:>5} " + " ".join(f"{us[k]:>10.1f}" for k in ("split4096", "split2048"))
                   + f" {us['other']:>8.1f} {us['torch']:>8.1f}  same={same}")  # fmt: skip
+
+
+def model_rows(rec: Recorder) -> None:
+    """The 32K decode rows as the models call ``indexer_topk`` (CUDA graphs, 1 / 8 rows): V4's 8448-entry rows with
+    8192 visible, V4.1's 33792-entry rows with 32768 visible and, on its re-index layers, the candidate mask of the
+    top 2048 blocks of 8 (``candidate_block_mask``), on scores shaped like the indexer's (a sum of weighted ReLUs:
+    positive, continuous) and on the ReLU'd normal scores of the other tables; against ``topk_select`` without
+    lengths or mask. In the session-21 graph-step timelines one split call took 40 (V4) / 50-66 (V4.1) us, the
+    other tables ~23 / 35 us: what differs?"""
+    from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_topk
+
+    print(f"{'case':>24} {'rows':>5} {'scores':>8} {'op':>8} {'plain':>8}  (us)")
+    for name, n, vis, masked in (("v4 8448", 8448, 8192, False), ("v4.1 33792", 33792, 32768, False),
+                                 ("v4.1 33792 + cand mask", 33792, 32768, True)):  # fmt: skip
+        for rows in (1, 8):
+            for dist in ("indexer", "relu"):
+                g = torch.Generator(device="cuda").manual_seed(rows)
+                if dist == "indexer":  # sum over 64 heads of w_h relu(q_h . k): 64 x 128 dims, fp32
+                    q = torch.randn(rows, 64, 128, device="cuda", generator=g)
+                    k = torch.randn(n, 128, device="cuda", generator=g)
+                    w = torch.rand(rows, 64, device="cuda", generator=g)
+                    x = torch.einsum("rh,rhn->rn", w, torch.relu(torch.einsum("rhd,nd->rhn", q, k))) * 128**-0.5
+                else:
+                    x = torch.relu(torch.randn(rows, n, device="cuda", generator=g))
+                visible = torch.full((1, rows), vis, dtype=torch.int64, device="cuda")
+                mask = candidate_block_mask(x[None], visible, 8, 2048) if masked else None
+                op = graph_us(lambda x=x, v=visible, m=mask: indexer_topk(x[None], v, K, m))
+                plain = graph_us(lambda x=x: topk_select_triton(x, K))
+                rec.add(case="model_rows", name=name, rows=rows, scores=dist, op_us=op, plain_us=plain)
+                print(f"{name:>24} {rows:>5} {dist:>8} {op:>8.1f} {plain:>8.1f}")
 
 
 def sweep(rec: Recorder) -> None:
