@@ -124,19 +124,18 @@ class Compressor(nn.Module):
         return batch.ring_ids((*key, "kv"), 2 * r if self.overlap else r, every=r)
 
     def decode(
-        self, kv, score, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor, dtype: torch.dtype, rows=None
+        self, kv, score, batch: DecodeBatch, key: tuple, inv_freq: torch.Tensor, dtype: torch.dtype, rows
     ) -> None:
         """``forward`` for a planned decode step (``decode_batch``), from the step's projections kv = x wkv^T and
         score = x wgate^T ([rows, width] fp32, one row per request; ``Attention.decode`` makes them with the
         layer's other projections of x); entries in ``dtype``; ``key`` = (name, layer) of its rings and store;
-        ``rows``: ``group_rows``, when the caller made them already.
+        ``rows``: ``group_rows`` (the caller makes them early, from the plan alone).
         The requests whose row completes a group pool it from their rings in place (the others' rows are empty:
         their NaN entries go to the scratch row the plan gave them)."""
         r, c = self.ratio, self.head_dim
         kv_table = batch.write((*key, "kv"), kv)
         # the ring holds score + ape[p % r], summed in the write's kernel
         score_table = batch.write((*key, "score"), score, bias=(self.ape, batch[("pos_mod", r)]))
-        rows = self.group_rows(batch, key) if rows is None else rows
         pooled = kv_compress_pool_rows(kv_table, score_table, rows, r if self.overlap else 0, c, out_dtype=dtype)
         pool, emit = batch.append_rows(key)  # the norm + RoPE kernel stores the entries itself
         self.norm.rope(pooled, batch[("group_start", r)], inv_freq, out=pool, out_rows=emit)
@@ -184,10 +183,10 @@ class Indexer(nn.Module):
         scores = indexer_scores(q[None], keys[None], weights[None], self.head_dim**-0.5, visible)
         return indexer_topk(scores, visible, self.topk)[0]
 
-    def decode_keys(self, proj: list[torch.Tensor], batch: DecodeBatch, layer: int, inv_freq, dtype, rows=None):
+    def decode_keys(self, proj: list[torch.Tensor], batch: DecodeBatch, layer: int, inv_freq, dtype, rows):
         """What a planned decode step makes beside its query (the caller's branch): the head weights [rows, H] fp32
         from proj[0] and the index keys' compressor step from proj[1:3] (``projections``; keys in ``dtype``;
-        ``rows``: the compressor's ``group_rows``, made already). Returns the head weights (read after the join)."""
+        ``rows``: the compressor's ``group_rows``). Returns the head weights (read after the join)."""
         weights = self.head_weights(proj[0])
         self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, dtype, rows)
         return weights
