@@ -430,12 +430,16 @@ class Attention(nn.Module):
         """x [S, d], qr [S, q_lora_rank] at ``pos`` -> (the indexer's post-RoPE queries [S, H, Dh], FP4-simulated
         where the model quantises, and head weights [S, H] fp32 with the 1/sqrt(H) scale). ``xw``: x
         weights_proj^T when the caller made it already (x is then not read)."""
+        return self.index_rotated_query(qr, pos), self.index_weights(self.indexer.weights_proj(x) if xw is None else xw)
+
+    def index_rotated_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ix = self.indexer
         qi = ix.wq_b(qr).view(-1, ix.n_heads, ix.head_dim)
         qi = rope_interleaved(qi, pos, self.inv_freq, out=qi)
-        if self.fake_quant:
-            qi = fake_quant_e2m1(qi, 32, "ue8m0")
-        return qi, (ix.weights_proj(x) if xw is None else xw).float() * ix.n_heads**-0.5
+        return fake_quant_e2m1(qi, 32, "ue8m0") if self.fake_quant else qi
+
+    def index_weights(self, xw: torch.Tensor) -> torch.Tensor:
+        return xw.float() * self.indexer.n_heads**-0.5
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
         """Indexer scores [S, N] fp32 of this index source's queries against ``keys`` [N, Dh]; -inf past each query's
@@ -552,12 +556,14 @@ class Attention(nn.Module):
         # pools) and the window's latents with their ring write and row table (the window on a lane of its own, for
         # the index scores to wait on the compressor alone as V4's do, measured no faster in session 15)
         with side.branch():
+            if self.index_source == self.layer:  # the head weights, read by the index scores after the join
+                weights = self.index_weights(proj[-1])
             if self.kv_source == self.layer:
                 self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
             kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
         qr, q = self.query(x, pos, xa=proj[0])
         if self.index_source == self.layer:
-            qi, weights = self.index_query(None, qr, pos, xw=proj[-1])
+            qi = self.index_rotated_query(qr, pos)
         side.join()
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
@@ -619,7 +625,9 @@ class Gate(nn.Module):
         self.bias_vl = param(n_experts, dtype=torch.float32)  # image-span tokens (vision: not built yet)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, self.weight, out_dtype=torch.float32) / self.cfg.gate_temp
+        logits = linear(x, self.weight, out_dtype=torch.float32)
+        if self.cfg.gate_temp != 1.0:  # (x / 1 is x: the released models' 1.0 costs no launch on the router chain)
+            logits = logits / self.cfg.gate_temp
         return moe_route_topk(
             logits,
             self.bias,
@@ -1054,6 +1062,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             e_ids = engram_hash_ids(compressed, history, e.multipliers, e.primes, self._engram_pad_id())
             return e.values(e_ids[:, 0], x.dtype, x.device)
 
+        def write_lookback() -> None:  # each slot's next lookback (``history`` is a copy of the old one)
+            nxt = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
+            batch.buffers[("engram",)][slots] = nxt.view(rows, -1, 1)
+
         # token ids only: made from the step's start beside the layers before each Engram gate, where the table is
         # local (a rank-sharded table's lookup is a collective: it keeps its place in the forward order)
         local = [b.engram for b in self.layers if hasattr(b, "engram") and b.engram.row_range is None]
@@ -1061,6 +1073,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if local:
             with lane.branch():
                 values = {e: engram_values(e) for e in local}
+                if history is not None:  # here too, off the step's end (after the LM head: ~6 us at batch 1)
+                    write_lookback()
         for block in self.layers:
             if hasattr(block, "engram"):
                 lane.join()
@@ -1074,9 +1088,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])
             for k, stage in enumerate(self.mtp):
                 batch.write(("dspark", k), stage.attn.window_kv(feats, batch["pos"]))
-        if history is not None:
-            lookback = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
-            batch.buffers[("engram",)][slots] = lookback.view(rows, -1, 1)
+        if history is not None and not local:  # a rank-sharded table's step: no lane
+            write_lookback()
         return logits
 
     def _attention_step(self, block: Block, steps: list[StepRows], shared: list[dict], comp):
