@@ -305,10 +305,15 @@ class Engram(nn.Module):
         """ids [T, 24] -> keys and value [T, n + 1, d] in ``dtype``: the part that reads token ids only."""
         return self.wkv(self.gather(ids, dtype, device)).view(-1, self.hc + 1, self.hidden)
 
-    def inject(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """x [T, n, d] streams and ``values`` [T, n + 1, d] -> streams with the gated value added."""
-        w = self.q_weight.float() * self.k_weight.float()
+    def inject(self, x: torch.Tensor, kv: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, n, d] streams and ``values`` [T, n + 1, d] -> streams with the gated value added. ``w``:
+        ``gate_weight()``, made already (a decode step makes it beside the layers, with the values)."""
+        w = self.gate_weight() if w is None else w
         return engram_gate_inject(x, kv[:, : self.hc], kv[:, self.hc], w, None)
+
+    def gate_weight(self) -> torch.Tensor:
+        """The gate's fp32 product of its query and key norm weights [n, d] (weights only)."""
+        return self.q_weight.float() * self.k_weight.float()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1058,9 +1063,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         history = batch.buffers[("engram",)][slots].view(rows, -1) if cfg.engram_layer_ids else None
         shared, taps, values = {}, {}, {}
 
-        def engram_values(e: Engram) -> torch.Tensor:
+        def engram_values(e: Engram) -> tuple[torch.Tensor, torch.Tensor]:  # (values, the gate's weight)
             e_ids = engram_hash_ids(compressed, history, e.multipliers, e.primes, self._engram_pad_id())
-            return e.values(e_ids[:, 0], x.dtype, x.device)
+            return e.values(e_ids[:, 0], x.dtype, x.device), e.gate_weight()
 
         def write_lookback() -> None:  # each slot's next lookback (``history`` is a copy of the old one)
             nxt = engram_next_history(compressed, history, cfg.engram_max_ngram_size)
@@ -1079,7 +1084,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if hasattr(block, "engram"):
                 lane.join()
                 e = block.engram
-                x = e.inject(x, values[e] if e in values else engram_values(e))
+                x = e.inject(x, *(values[e] if e in values else engram_values(e)))
             if block.layer in cfg.dspark_target_layer_ids:
                 taps[block.layer] = x.float().mean(dim=1).to(x.dtype)
             x, pre_mix = block.run(x, pre_mix, partial(block.attn.forward_decode, batch=batch, shared=shared))
