@@ -167,3 +167,15 @@ def test_gpu_backend_routes_by_rows_and_matches_triton():
     assert_bitwise(out, wide.launch_wide(q, kv, idx, sinks, D**-0.5), "prefill rows: the wide kernel")
     assert_rel_close(out.float(), attn.sparse_mqa_attention_triton_adaptive(q, kv, idx, sinks, D**-0.5).float(), TOL)
     _check(out, q, kv, idx, sinks, D**-0.5, "prefill")
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_wide_without_pdl_same_bits(monkeypatch):
+    """``DEEPINFER_PDL=0`` launches the kernel without its PDL constexpr (it defaults off); same bits as with it."""
+    from deepinfer_kernels.ops._triton_launch import PDL_ENV
+
+    q, kv, idx, sinks = _rows(64, 8192, 640, seed=5)
+    with_pdl = wide.launch_wide(q, kv, idx, sinks, D**-0.5)
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert_bitwise(wide.launch_wide(q, kv, idx, sinks, D**-0.5), with_pdl, "PDL off vs on")

@@ -69,7 +69,8 @@ def _attn_wide_kernel(
     q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, o_ptr,
     K, N1, scale, q_st, q_sh, kv_s, kv2_s, idx_st, o_st, o_sh,
     D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, DUP_S: gl.constexpr, COPY_L: gl.constexpr,
-    Q_SL: gl.constexpr, K_SL: gl.constexpr, TWO: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    Q_SL: gl.constexpr, K_SL: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     H: gl.constexpr = 64
     if PDL:
