@@ -79,13 +79,10 @@ def _keys(src, idx, N, length, msk, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _in_bucket(key, in_row, prefix, shift, FIRST: tl.constexpr):
+def _in_bucket(key, in_row, prefix, shift, first):
     """The entries a pass at digit ``shift`` counts: those whose unsigned-order key has the higher digits decided so
-    far (``prefix``), every entry of the row in the first pass."""
-    match = in_row
-    if not FIRST:
-        match = in_row & ((((key ^ INT_MIN) ^ prefix) >> (shift + 8)) == 0)
-    return match
+    far (``prefix``), every entry of the row in the first pass (``first``; its shift of 32 is out of range)."""
+    return in_row & (first | ((((key ^ INT_MIN) ^ prefix) >> tl.minimum(shift + 8, 31)) == 0))
 
 
 @triton.jit
@@ -115,13 +112,14 @@ def _radix(key, in_row, key_t, in_tail, k_rem, TAIL: tl.constexpr):
     prefix = tl.zeros([], dtype=tl.int32)
     level = tl.full([], 32, dtype=tl.int32)
     go = tl.full([], 1, dtype=tl.int32)
-    for p in tl.static_range(4):
+    for p in range(4):
         if go != 0:
-            hist = _digit_hist(key, _in_bucket(key, in_row, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
+            shift = 24 - 8 * p
+            hist = _digit_hist(key, _in_bucket(key, in_row, prefix, shift, p == 0), shift)
             if TAIL > 0:
-                hist += _digit_hist(key_t, _in_bucket(key_t, in_tail, prefix, 24 - 8 * p, p == 0), 24 - 8 * p)
-            k_rem, prefix, go = _narrow(hist, k_rem, prefix, 24 - 8 * p)
-            level = level * 0 + (24 - 8 * p)
+                hist += _digit_hist(key_t, _in_bucket(key_t, in_tail, prefix, shift, p == 0), shift)
+            k_rem, prefix, go = _narrow(hist, k_rem, prefix, shift)
+            level = shift
     return k_rem, prefix, level
 
 
