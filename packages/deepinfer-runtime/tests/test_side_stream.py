@@ -83,3 +83,48 @@ def test_gpu_branch_join_eager_and_captured(branch, lane):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(res, a * 3 + ((a + 1) if branch else 0), rtol=0, atol=0)
+
+
+def _two_lanes(first: SideStream, second: SideStream, a: torch.Tensor, mid: torch.Tensor, out: torch.Tensor):
+    """lane 1: mid = a + 1 (slowly); lane 2, after ``depend`` on lane 1: out = mid * 2; main joins both."""
+    with first.branch():
+        for _ in range(50):
+            mid.copy_(a + 1)
+    with second.branch():
+        first.depend()
+        out.copy_(mid * 2)
+    assert first.pending, "depend leaves the lane to be joined by the main path"
+    first.join()
+    second.join()
+    return out + mid
+
+
+@pytest.mark.gpu
+def test_gpu_depend_orders_lanes_eager_and_captured():
+    dev = torch.device("cuda")
+    first, second = SideStream.of(dev, "layer"), SideStream.of(dev, "index")
+    a = torch.randn(1 << 20, device="cuda")
+    mid, out = torch.zeros_like(a), torch.zeros_like(a)
+    torch.testing.assert_close(_two_lanes(first, second, a, mid, out), (a + 1) * 3, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = _two_lanes(first, second, a, mid, out)
+    a.copy_(torch.randn_like(a))
+    mid.zero_()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(res, (a + 1) * 3, rtol=0, atol=0)
+
+
+def test_depend_inline_on_cpu():
+    first, second = SideStream.of(torch.device("cpu")), SideStream.of(torch.device("cpu"), "index")
+    x = torch.zeros(2)
+    with first.branch():
+        x += 1
+    with second.branch():
+        first.depend()
+        x *= 3
+    first.join()
+    second.join()
+    assert x.tolist() == [3, 3]

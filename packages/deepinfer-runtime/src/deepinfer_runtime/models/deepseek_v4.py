@@ -191,14 +191,10 @@ class Indexer(nn.Module):
         self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, dtype, rows)
         return weights
 
-    def decode(
-        self, weights: torch.Tensor, qr: torch.Tensor, batch: DecodeBatch, layer: int, inv_freq, side: SideStream
-    ):
-        """``forward`` for a planned decode step from qr [rows, q_lora_rank] and the head weights [rows, H] that
-        ``decode_keys`` made on ``side`` (with the index keys): the query runs beside them, the scores after the
-        join -> entry ids [rows, k]."""
-        q = self.rotated_query(qr, batch["pos"], inv_freq)
-        side.join()
+    def decode(self, weights: torch.Tensor, q: torch.Tensor, batch: DecodeBatch, layer: int) -> torch.Tensor:
+        """``forward`` for a planned decode step from the rotated queries q [rows, H, Dh] (``rotated_query``) and the
+        head weights [rows, H] that ``decode_keys`` made with the index keys (on the caller's lane, ordered after
+        them) -> entry ids [rows, k]."""
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = batch[("visible", self.ratio)][:, None]  # a request's rows past its own entries are never visible
@@ -239,8 +235,12 @@ class Attention(nn.Module):
         """x [T, d] (normed) at ``pos`` [T] -> (q_lora rows qr [T, q_lora_rank], post-RoPE queries [T, H, D]).
         ``xa``: x wq_a^T when the caller made it already."""
         qr = self.q_norm(self.wq_a(x) if xa is None else xa)
+        return qr, self.query_up(qr, pos)
+
+    def query_up(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """qr [T, q_lora_rank] -> post-RoPE queries [T, H, D]."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        return qr, rms_norm_rope(q, None, self.cfg.rms_norm_eps, pos, self.inv_freq)  # per-head norm, then RoPE
+        return rms_norm_rope(q, None, self.cfg.rms_norm_eps, pos, self.inv_freq)  # per-head norm, then RoPE
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
         """x [T, d] at ``pos`` -> the shared post-RoPE key/value latents [T, D] (``xkv``: x wkv^T, made already)."""
@@ -336,16 +336,24 @@ class Attention(nn.Module):
         if index is not None:
             with index.branch():
                 weights = self.indexer.decode_keys(proj[4:], batch, self.layer, self.inv_freq, x.dtype, index_groups)
-        qr, q = self.query(x, pos, xa=proj[0])
-        if index is not None:  # (joins its lane before the index scores)
-            picked = self.indexer.decode(weights, qr, batch, self.layer, self.inv_freq, index)
+        qr = self.q_norm(proj[0])
+        if index is not None:
+            # CSA: the index query streams its (smaller) weight first; the scores, the top-k and the row table
+            # [window rows | pool rows of the picked entries] then run on the index lane beside the q
+            # up-projection, which used to run first, so that the top-k (6-40 us) started after both streams
+            qi = self.indexer.rotated_query(qr, pos, self.inv_freq)
+            with index.branch():
+                picked = self.indexer.decode(weights, qi, batch, self.layer)
+                window.depend()  # its row ids
+                idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
+        q = self.query_up(qr, pos)
         comp.join()
         window.join()
+        if index is not None:
+            index.join()
         if self.kind == SLIDING:
             kv_all, idx = table, win_ids
         else:
-            if self.kind == CSA:  # [window rows | pool rows of the picked entries] in one launch
-                idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
             kv_all = (table, batch.kv[key].flat)  # the entries are read in place, from the pool
         o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
         return self.output(o, pos)

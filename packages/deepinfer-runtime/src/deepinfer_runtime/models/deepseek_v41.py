@@ -413,8 +413,12 @@ class Attention(nn.Module):
         """x [S, d] -> (q_lat [S, q_lora_rank], q [S, H, D] rotated). V4.1 has no per-head q norm. ``xa``: x
         wq_a^T when the caller made it already."""
         qr = self.q_norm(self.wq_a(x) if xa is None else xa)
+        return qr, self.query_up(qr, pos)
+
+    def query_up(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """qr [S, q_lora_rank] -> rotated queries [S, H, D]."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        return qr, rope_interleaved(q, pos, self.inv_freq, out=q)  # in place: only the rotated channels move
+        return rope_interleaved(q, pos, self.inv_freq, out=q)  # in place: only the rotated channels move
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
         """x [S, d] -> window latents [S, D]: norm, RoPE, FP8 (block 32, UE8M0) as stored (``xkv``: x wkv^T, made
@@ -555,40 +559,61 @@ class Attention(nn.Module):
         """``forward_chunk`` for every request of a planned decode step at once (one row each, no YOCO floor):
         x [rows, d] -> [rows, d]. ``shared`` carries top-k / candidates [rows, .] between layers of the step."""
         pos = batch["pos"]
+        index = self.index_source == self.layer
+        key = ("kv", self.kv_source)  # the entries are read in place, from the pool
         proj = project(x, *self.projections())
         side = SideStream.of(x.device)
         # beside the query path, what nothing on it reads before the join: the compressor (ring writes, entry
         # pools) and the window's latents with their ring write and row table (the window on a lane of its own, for
-        # the index scores to wait on the compressor alone as V4's do, measured no faster in session 15)
+        # the index scores to wait on the compressor alone as V4's do, measured no faster in session 15); a layer
+        # that reads an earlier layer's picks makes its row table [window rows | pool rows of the picks] there too
         with side.branch():
-            if self.index_source == self.layer:  # the head weights, read by the index scores after the join
+            if index:  # the head weights, read by the index scores
                 weights = self.index_weights(proj[-1])
             if self.kv_source == self.layer:
                 self.feed_compressor_decode(self.compressor.projected(proj[2:]), x.dtype, batch)
             kv_rows, win_ids = batch.window(("window", self.layer), self.window_kv(x, pos, xkv=proj[1]))
-        qr, q = self.query(x, pos, xa=proj[0])
-        if self.index_source == self.layer:
+            if self.ratio and not index:
+                rows = batch.pool_rows(
+                    key, shared[("topk", self.index_source)], offset=kv_rows.shape[0], prefix=win_ids
+                )
+        qr = self.q_norm(proj[0])
+        if index:
+            # the index query streams its (smaller) weight first; the scores, the candidates, the top-k and the row
+            # table then run on the index lane beside the q up-projection, which used to run first, so that the
+            # top-k (15-65 us at 32K) started after both streams
             qi = self.index_rotated_query(qr, pos)
+            lane = SideStream.of(x.device, "index")
+            with lane.branch():
+                side.depend()  # the index keys, the head weights and the window rows
+                picked = self.pick_decode(qi, weights, batch, shared)
+                rows = batch.pool_rows(key, picked, offset=kv_rows.shape[0], prefix=win_ids)
+        q = self.query_up(qr, pos)
         side.join()
+        if index:
+            lane.join()
         if self.ratio == 0:
             return self.attend(q, kv_rows, None, win_ids, None, pos)
-        if self.index_source == self.layer:
-            pool, tables = batch.pages(("idx", self.kv_source))
-            scores = indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
-            visible = batch[("visible", self.ratio)][:, None]
-            cand = shared.get("candidates") if self.uses_candidates else None
-            if self.is_candidate_source:
-                cfg = self.cfg
-                shared["candidates"] = candidate_block_mask(
-                    scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
-                )
-            picked = indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0]
-            shared[("topk", self.layer)] = pad_ids(picked, self.indexer.topk)
-        key = ("kv", self.kv_source)  # the entries are read in place, from the pool
-        # the row table [window rows | pool rows of the picked entries] in one launch
-        rows = batch.pool_rows(key, shared[("topk", self.index_source)], offset=kv_rows.shape[0], prefix=win_ids)
         kv = (kv_rows, batch.kv[key].flat.to(kv_rows.dtype))
         return self.attend_rows(q, kv, rows, pos)
+
+    def pick_decode(self, qi: torch.Tensor, weights: torch.Tensor, batch: DecodeBatch, shared: dict) -> torch.Tensor:
+        """An index source's picks for a planned decode step, from its rotated queries qi [rows, Hi, Dh] and head
+        weights [rows, Hi] fp32: the scores against every request's index keys (read in place), the candidate
+        blocks where this layer makes them (stored in ``shared`` for the layers that use them), the top-k ->
+        entry ids [rows, index_topk] (-1 padded), also stored in ``shared``."""
+        pool, tables = batch.pages(("idx", self.kv_source))
+        scores = indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
+        visible = batch[("visible", self.ratio)][:, None]
+        cand = shared.get("candidates") if self.uses_candidates else None
+        if self.is_candidate_source:
+            cfg = self.cfg
+            shared["candidates"] = candidate_block_mask(
+                scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
+            )
+        picked = pad_ids(indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0], self.indexer.topk)
+        shared[("topk", self.layer)] = picked
+        return picked
 
     def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
         """Every projection of the normed input x a decode step makes, with its out dtype: wq_a, wkv, then on a KV

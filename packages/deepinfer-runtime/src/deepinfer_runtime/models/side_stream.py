@@ -97,6 +97,12 @@ class SideStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def depend(self) -> None:
+        """The current stream (another lane's branch that reads this lane's results) waits for the work branched so
+        far; unlike ``join`` that work stays pending, so the main path still joins the lane before reading it."""
+        if self.pending:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
     def join(self) -> None:
         """The current stream waits for the work branched since the last join; nothing when there is none (a
         stream outside a graph capture must not be joined into it)."""
