@@ -42,6 +42,18 @@ def graph_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cold_us(fn, reps: int = 10, flush_mb: int = 256) -> float:
+    """Device microseconds per call of ``fn()`` when each call follows a ``flush_mb`` MB device copy (a graph of
+    ``reps`` x [copy, call] less one of ``reps`` copies; medians of 15 replays): a decode step's view of a kernel
+    that runs once between weight streams, which evict its code and data from the L2 (``graph_us`` keeps both
+    warm)."""
+    src = torch.empty(flush_mb << 19, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    both = graph_us(lambda: (dst.copy_(src), fn()), reps) * reps
+    copies = graph_us(lambda: dst.copy_(src), reps) * reps
+    return (both - copies) / reps
+
+
 def wall_us(fn, *args, calls: int = 100) -> float:
     """Host wall time per call (us) of ``calls`` back-to-back calls, synchronised once at the end (what a
     launch-bound caller pays, unlike ``bench_ms``'s device time)."""

@@ -9,7 +9,7 @@ of the register kernel's warps. ``--long``: only the decode indexer's long rows 
 entries, forced) against the stream (at 8K: the register kernel) and torch.topk, with a table. ``--buckets``: the
 decode rows at the widths a step has them (bucketed block tables: 5120 entries at 4K tokens, 33792 at 32K), the
 registers as a power of two plus a tail against the next power of two, with a table. ``--model``: the 32K rows
-as the models pass them (lengths, V4.1's candidate mask, indexer-like scores) against the plain op.
+as the models pass them (lengths, V4.1's candidate mask, indexer-like scores), warm and cold (after an L2 flush).
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long |
 --buckets | --model]``.
@@ -20,7 +20,7 @@ import argparse
 
 import torch
 import triton
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, graph_us
+from _bench_util import Recorder, bench_ms, cold_us, copy_ceiling_gbs, graph_us
 from deepinfer_kernels.ops.topk_select import triton as backend
 from deepinfer_kernels.ops.topk_select.triton import topk_select_triton
 
@@ -146,12 +146,14 @@ def model_rows(rec: Recorder) -> None:
     """The 32K decode rows as the models call ``indexer_topk`` (CUDA graphs, 1 / 8 rows): V4's 8448-entry rows with
     8192 visible, V4.1's 33792-entry rows with 32768 visible and, on its re-index layers, the candidate mask of the
     top 2048 blocks of 8 (``candidate_block_mask``), on scores shaped like the indexer's (a sum of weighted ReLUs:
-    positive, continuous) and on the ReLU'd normal scores of the other tables; against ``topk_select`` without
-    lengths or mask. In the session-21 graph-step timelines one split call took 40 (V4) / 50-66 (V4.1) us, the
-    other tables ~23 / 35 us: what differs?"""
+    positive, continuous) and on ReLU'd normal scores; warm (``graph_us``) and cold (``cold_us``: each call after a
+    256 MB copy, as in a decode step, where the weight streams evict the kernel's code from the L2). Session 21's
+    graph-step timelines had one split call at 40 (V4) / 50-66 (V4.1) us against ~23 / 35 us warm: lengths, mask
+    and score shape changed nothing (session 22, H200), the cold code did (V4.1's split kernel, then 14K SASS
+    instructions: 34 us warm, 59 cold; with the radix passes as a runtime loop, 7K: 28 / 28)."""
     from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_topk
 
-    print(f"{'case':>24} {'rows':>5} {'scores':>8} {'op':>8} {'plain':>8}  (us)")
+    print(f"{'case':>24} {'rows':>5} {'scores':>8} {'warm':>8} {'cold':>8}  (us)")
     for name, n, vis, masked in (("v4 8448", 8448, 8192, False), ("v4.1 33792", 33792, 32768, False),
                                  ("v4.1 33792 + cand mask", 33792, 32768, True)):  # fmt: skip
         for rows in (1, 8):
@@ -166,10 +168,10 @@ def model_rows(rec: Recorder) -> None:
                     x = torch.relu(torch.randn(rows, n, device="cuda", generator=g))
                 visible = torch.full((1, rows), vis, dtype=torch.int64, device="cuda")
                 mask = candidate_block_mask(x[None], visible, 8, 2048) if masked else None
-                op = graph_us(lambda x=x, v=visible, m=mask: indexer_topk(x[None], v, K, m))
-                plain = graph_us(lambda x=x: topk_select_triton(x, K))
-                rec.add(case="model_rows", name=name, rows=rows, scores=dist, op_us=op, plain_us=plain)
-                print(f"{name:>24} {rows:>5} {dist:>8} {op:>8.1f} {plain:>8.1f}")
+                warm = graph_us(lambda x=x, v=visible, m=mask: indexer_topk(x[None], v, K, m))
+                cold = cold_us(lambda x=x, v=visible, m=mask: indexer_topk(x[None], v, K, m))
+                rec.add(case="model_rows", name=name, rows=rows, scores=dist, warm_us=warm, cold_us=cold)
+                print(f"{name:>24} {rows:>5} {dist:>8} {warm:>8.1f} {cold:>8.1f}")
 
 
 def sweep(rec: Recorder) -> None:
