@@ -328,7 +328,13 @@ class ExpertCounter:
         for block, graphs in self.graphs:
             block.graphs = graphs
         self.model.step_graphs = self.step_graphs
-        return [len(self.hit.get(i, ())) for i in sorted(self.hit)]
+        missing = [i for i in range(len(self.handles)) if not self.hit.get(i)]
+        if missing:  # a floor without these layers' experts would be silently low
+            raise RuntimeError(
+                f"ExpertCounter: no routing seen in MoE layers {missing}; the models must route through "
+                "Gate.forward for the decode floor to count their experts"
+            )
+        return [len(self.hit[i]) for i in sorted(self.hit)]
 
 
 def rand_ids(n: int, dev, gen) -> torch.Tensor:
