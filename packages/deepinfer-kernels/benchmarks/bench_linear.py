@@ -19,6 +19,10 @@ streams its weight from HBM, as in a decode step), GB/s of the weight and % of c
 attention layer's, a shared expert's gate and up), CUDA graphs: one launch (``triton_skinny``) against one ``linear``
 per weight (the ``loop`` backend: skinny / cuBLAS each), GB/s of all the weights and, for the sets it serves from 16
 rows on, TFLOP/s and the best of ``MID_TILINGS`` (the mid-size tiling's candidates, K split by the backend's rule).
+
+``--many-cold``: the same sets at 1 and 8 rows as a decode step streams them, over rotating copies of each set (more
+than the L2 holds, so every call reads its weights from HBM), for the narrow tilings of ``NARROW_TILINGS`` (the
+default is the first): the one-wave question, since an attention set is 500-1000 programs of 32 x 512 weights.
 """
 
 from __future__ import annotations
@@ -232,12 +236,71 @@ def many_table(rec, ceil) -> None:
             print("  ".join(f"{row[c]:>14.4g}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
 
 
+# (block_n, block_k, k_split, warps, stages) tried at 1-8 rows, cold; the first is the backend's narrow_tiling
+NARROW_TILINGS = [
+    (32, 128, 512, 4, 4),
+    (32, 128, 1024, 4, 4),
+    (32, 128, 1024, 4, 3),
+    (32, 128, 2048, 4, 4),
+    (32, 128, 512, 4, 2),
+    (32, 64, 512, 4, 4),
+    (64, 128, 1024, 4, 3),
+    (64, 128, 512, 4, 3),
+    (16, 128, 1024, 4, 4),
+    (16, 128, 2048, 4, 4),
+    (32, 256, 1024, 4, 2),
+    (32, 128, 1024, 8, 4),
+]
+
+
+def many_cold_table(rec, ceil) -> None:
+    print("\n== linear_many at decode rows, cold (rotating copies of each set), CUDA graphs (us; % of copy)")
+    for name, k, parts in MANY_SETS:
+        ns = [n for n, _ in parts]
+        dts = [torch.float32 if f else None for _, f in parts]
+        nbytes = sum(ns) * k * 2
+        sets = [
+            [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for n in ns]
+            for _ in range(max(2, (1 << 29) // nbytes))
+        ]
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            want = linear_many_loop(x, sets[0], dts)
+            cells = []
+            for i, (bn, bk, ks, warps, stages) in enumerate(NARROW_TILINGS):
+                cfg = Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
+                try:
+                    got = linear_many_skinny(x, sets[0], dts, cfg=cfg)
+                except Exception as exc:  # a tiling past the SM's resources: say so, go on
+                    print(f"  {name} M={m} {cfg}: {type(exc).__name__} (skipped)")
+                    continue
+                err = max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
+                if err > 1e-2:
+                    print(f"  {name} M={m} {cfg}: rel err {err:.1e} against the loop (skipped)")
+                    continue
+                us = _rotating_us(lambda ws, x=x, cfg=cfg, dts=dts: linear_many_skinny(x, ws, dts, cfg=cfg), sets)
+                label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+                rec.add(kind="many_cold", set=name, M=m, candidate=i, tiling=label, us=us, pct_copy=pct)
+                cells.append((us, label, pct))
+            default = cells[0]
+            best = min(cells)
+            print(
+                f"  {name:20s} M={m} {nbytes / 2**20:5.1f} MiB  default {default[0]:6.2f} us ({default[2]:4.1f}%)"
+                f"  best {best[1]:28s} {best[0]:6.2f} us ({best[2]:4.1f}%)"
+            )
+            for us, label, pct in sorted(cells)[:4]:
+                print(f"      {label:28s} {us:6.2f} us {pct:5.1f}%")
+        del sets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
     ap.add_argument("--decode", action="store_true", help="only the decode projections (triton_skinny vs cuBLAS)")
     ap.add_argument("--many", action="store_true", help="only linear_many's decode sets (one launch vs a loop)")
     ap.add_argument("--stream", action="store_true", help="only the wide decode projections (weight-stream tilings)")
+    ap.add_argument("--many-cold", action="store_true", help="linear_many's sets at 1 / 8 rows, cold, narrow tilings")
     args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
@@ -247,6 +310,9 @@ def main() -> None:
     rec.add(kind="ceilings", **ceil)
     if args.stream:
         stream_table(rec, ceil, STREAM_TILINGS)
+        return
+    if args.many_cold:
+        many_cold_table(rec, ceil)
         return
     if args.decode or args.many:
         if args.decode:
