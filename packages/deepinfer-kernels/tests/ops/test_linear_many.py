@@ -72,7 +72,7 @@ def _interp_matches_reference(dtype: str, m: int, k: int, ns: list, f32: list) -
 INTERP_CASES = {
     f"{dt}-{m}x{k}-{'-'.join(map(str, ns))}": ("_interp_matches_reference", (dt, m, k, ns, f32))
     for dt, m, k, ns, f32 in (
-        ("bfloat16", 1, 1100, [64, 33, 40], [False, True, True]),  # three K splits, the last ragged; ragged N
+        ("bfloat16", 1, 2200, [64, 33, 40], [False, True, True]),  # three K splits of 768, the last ragged; ragged N
         ("bfloat16", 8, 512, [32, 96], [True, False]),  # one split (no fixup), 8 rows
         ("float16", 3, 700, [8, 16, 24, 32, 40, 48, 56, 64], [i % 2 == 0 for i in range(8)]),  # all eight slots
         ("bfloat16", 70, 600, [100, 64], [False, True]),  # the mid-size tiling: 64-row tiles, a ragged second one
@@ -111,6 +111,11 @@ def test_tilings_and_what_it_serves():
     T = many.Tiling
     assert narrow_tiling(4096, many.BLOCK_N) == T(32, 128, 512, 8, block_m=16)
     assert narrow_tiling(200, many.BLOCK_N) == T(32, 128, 256, 1, block_m=16)
+    # linear_many's own at decode rows: 1024-column splits, 3 stages
+    assert many.decode_tiling(4096) == T(32, 128, 1024, 4, 4, 3, block_m=16)
+    assert many.decode_tiling(5120) == T(32, 128, 1024, 5, 4, 3, block_m=16)
+    assert many.decode_tiling(2200) == T(32, 128, 768, 3, 4, 3, block_m=16)
+    assert many.decode_tiling(200) == T(32, 128, 256, 1, 4, 3, block_m=16)
     v4_csa = [1024, 512, 1024, 1024, 64, 256, 256]  # 65 column blocks of 64
     assert many.mid_tiling(16, v4_csa, 4096, 132) == T(64, 128, 2048, 2, 4, 3, block_m=64)  # 65 tiles: two K splits
     assert many.mid_tiling(128, v4_csa, 4096, 132) == T(64, 128, 4096, 1, 4, 3, block_m=64)  # 2 row blocks: 130 tiles

@@ -3,9 +3,9 @@ one grid, each program running ``linear``'s skinny tile (``ops/linear/triton_ski
 against a [BLOCK_N, K_SPLIT] weight block, fp32 partials, the last program of a (row, column) block adds the K splits
 in split order).
 
-* Up to ``SKINNY_MAX_ROWS`` rows: one 16-row tile against [32, 512] weight blocks. A small projection costs its
-  launch and ramp (4-6 us for a 2-8 MB weight on an H200), not its bytes; an attention layer reads its normed input
-  with up to seven of them.
+* Up to ``SKINNY_MAX_ROWS`` rows (``decode_tiling``): one 16-row tile against [32, 1024] weight blocks, 3 stages.
+  A small projection costs its launch and ramp (4-6 us for a 2-8 MB weight on an H200), not its bytes; an
+  attention layer reads its normed input with up to seven of them (12-34 MB), and a set takes one wave of programs.
 * Up to ``MID_MAX_ROWS`` rows (batches of 9-256 requests, ``mid_tiling``), for sets of narrow weights (at most
   ``MID_MAX_PART_N`` rows each: an attention layer's): 64- or 128-row tiles against 64-column blocks, K cut into
   just enough splits to give every SM a program. cuBLAS takes such calls one weight at a time, with tilings picked
@@ -33,10 +33,10 @@ from deepinfer_kernels.ops._triton_launch import (
     triton_cuda_available,
 )
 from deepinfer_kernels.ops.linear.triton_skinny import (
+    BLOCK_K,
     SKINNY_MAX_ROWS,
     Tiling,
     even_k_split,
-    narrow_tiling,
     skinny_tile,
 )
 from deepinfer_kernels.registry import register_backend
@@ -49,6 +49,22 @@ BLOCK_N = 32  # weight rows a program takes up to SKINNY_MAX_ROWS rows of x
 MID_MAX_ROWS = 256  # rows of x the mid-size tiling serves; more go to the per-weight loop (cuBLAS)
 MID_MAX_PART_N = 1280  # and only sets of narrow weights: cuBLAS was faster on the shared experts' 2048-2304 rows
 MID_MIN_SPLIT_K = 512  # columns of K a split keeps at least (shorter splits cost more in partials than they add)
+DECODE_K_SPLIT, DECODE_STAGES = 1024, 3  # up to SKINNY_MAX_ROWS rows: K splits of at most this many columns
+
+
+def decode_tiling(k: int) -> Tiling:
+    """Up to SKINNY_MAX_ROWS rows: 32-row weight blocks, K in even splits of at most DECODE_K_SPLIT columns walked
+    128 a step, 4 warps, 3 stages (36 KB of shared memory a program). The single ``linear``'s narrow tiling
+    (512-column splits, 4 stages: 48 KB) made a set of 12-45 MB 400-1400 programs, and each column block added 8-10
+    partials. H200, each call streaming its weights from HBM (``bench_linear.py --many-cold``, session 23,
+    ``benchmarks/baselines/bench_linear_many_cold_h200_session23.log``), M = 1, us old -> new: V4's CSA attention set
+    15.9 -> 11.5, HCA 10.0 -> 9.1, SWA 7.0 -> 7.6, shared gate + up 15.8 -> 11.5; V4.1's attention 15.4 -> 11.0, SWA
+    10.1 -> 9.0, shared gate + up 18.2 -> 19.7 (1024-column splits at 4 stages: 8.7, 8.8 and 16.4 for HCA, V4.1's SWA
+    and V4.1's shared expert, not measured in whole steps). Whole decode steps, same lease, alternating twice, ms:
+    V4 batch 1 at 4K 1.119 / 1.123 -> 1.099 / 1.099, at 32K 1.166 / 1.165 -> 1.145 / 1.147; V4.1 batch 1 at 4K
+    2.341 / 2.335 -> 2.315 / 2.320, at 32K 2.434 / 2.441 -> 2.428 / 2.428; batch 8 0.005-0.02 ms faster."""
+    k_split, split = even_k_split(k, DECODE_K_SPLIT, BLOCK_K)
+    return Tiling(BLOCK_N, BLOCK_K, k_split, split, 4, DECODE_STAGES)
 
 
 def mid_tiling(m: int, ns: list[int], k: int, sms: int) -> Tiling:
@@ -143,9 +159,7 @@ def linear_many_skinny(
     m = a.shape[0]
     mats = [w.contiguous() for w in weights]
     t = cfg or (
-        narrow_tiling(k, BLOCK_N)
-        if m <= SKINNY_MAX_ROWS
-        else mid_tiling(m, [w.shape[0] for w in mats], k, sm_count(a.device))
+        decode_tiling(k) if m <= SKINNY_MAX_ROWS else mid_tiling(m, [w.shape[0] for w in mats], k, sm_count(a.device))
     )
     outs = [torch.empty(m, w.shape[0], dtype=dt or x.dtype, device=x.device) for w, dt in zip(mats, out_dtypes)]
     ends, total = [], 0
