@@ -63,3 +63,47 @@ def test_gpu_chain_bitwise_with_and_without(monkeypatch, rows):
         monkeypatch.delenv(PDL_ENV)
         for a, b, what in zip(out, eager, ("activations", "top-k"), strict=True):
             assert_bitwise(a, b, f"graph replay {what} (PDL) vs eager without")
+
+
+def _stream_chain(x, w_norm, pairs):
+    """Weight streams in a dependent chain: [rows, 2048] -> [rows, 16384] (one K split, 4 stages) -> [rows, 2048]
+    (narrow at 1-2 rows, cuBLAS above) -> RMSNorm, and a [rows, 8192] x [4096, 8192]^T stream of 4 K splits (the
+    last program adds the partials). Each stream loads its first weight tile before it waits."""
+    for up, down, wide in pairs:
+        x = rms_norm(linear(linear(x, up), down), w_norm, 1e-6)
+        y = linear(torch.cat([x, x, x, x], dim=-1), wide)
+        x = y[:, :2048] + y[:, 2048:]
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs an sm_90+ GPU"
+)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_weight_streams_bitwise_with_and_without(monkeypatch, rows):
+    g = torch.Generator(device="cuda").manual_seed(100 + rows)
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
+
+    x0 = torch.randn(rows, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    w_norm = (1 + 0.1 * torch.randn(2048, generator=g, device="cuda")).to(torch.bfloat16)
+    pairs = [(w(16384, 2048), w(2048, 16384), w(4096, 8192)) for _ in range(2)]
+    monkeypatch.setenv(PDL_ENV, "0")
+    want = _stream_chain(x0, w_norm, pairs)
+    monkeypatch.delenv(PDL_ENV)
+    assert_bitwise(_stream_chain(x0, w_norm, pairs), want, "eager, PDL on vs off")
+    x_in = x0.clone()
+    _stream_chain(x_in, w_norm, pairs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _stream_chain(x_in, w_norm, pairs)
+    for _ in range(3):
+        x_in.copy_(torch.randn(rows, 2048, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        monkeypatch.setenv(PDL_ENV, "0")
+        eager = _stream_chain(x_in, w_norm, pairs)
+        monkeypatch.delenv(PDL_ENV)
+        assert_bitwise(out, eager, "graph replay (PDL) vs eager without")
