@@ -32,6 +32,11 @@ from .reference import check_hash_ranges, moe_route_hash_ref, moe_route_topk_ref
 
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 MAX_EXPERTS = 1024  # a row in one program: the top-k router, and the hash router's softmax
+# Warps of the top-k router (``bench_moe_route.py`` sweeps it). One warp would make its 3k reductions shuffles
+# without CTA barriers and reads the same alone (H200, session 23), but costs 4-10 us a MoE layer in a decode step,
+# where the router shares its SM with weight-stream programs and one warp gets a small share of the issue slots;
+# 8 warps are no faster than 4.
+ROUTE_WARPS = 4
 
 
 @triton.jit
@@ -151,7 +156,7 @@ def moe_route_topk_triton(logits, bias, top_k, *, route_scale, scoring="sqrtsoft
             logits, bias if bias is not None else logits, weights, experts, e, logits.stride(0), float(route_scale),
             float(norm_eps), SOFTPLUS_THRESHOLD, TOP_K=top_k, KP=triton.next_power_of_2(top_k),
             SCORING=_SCORING[scoring], HAS_BIAS=bias is not None, NORM=norm_topk,
-            BLOCK_E=triton.next_power_of_2(e), num_warps=4, **pdl_options(logits.device),
+            BLOCK_E=triton.next_power_of_2(e), num_warps=ROUTE_WARPS, **pdl_options(logits.device),
         )  # fmt: skip
     return weights, experts
 
