@@ -30,6 +30,9 @@ through the MXFP4 grouped GEMMs); transformers is then not run (it needs the bf1
 
     python benchmarks/gpu_model_slice.py [--out results.json] [--deadline-s 420]
     python benchmarks/gpu_model_slice.py --tiny --device cpu      # seconds-long CPU smoke run, tiny dims
+
+An A/B of a tuning constant runs from one tree: the same command with and without ``--set MODULE.NAME=VALUE``
+(``tuning_overrides.py``; recorded in the JSON's ``overrides``), alternating in one lease.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from tuning_overrides import apply_overrides
 
 T0 = time.perf_counter()
 PAGE_TOKENS = 128  # KV block size of the decode benchmark's paged rows (a multiple of every compression ratio)
@@ -778,7 +782,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_model_slice.json"
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="a tuning constant for this run (repeatable; tuning_overrides.py), e.g. "
+        "deepinfer_kernels.ops.linear_many.triton.DECODE_STAGES=4",
+    )
     args = p.parse_args(argv)
+    try:
+        overrides = apply_overrides(args.set)
+    except ValueError as exc:
+        p.error(str(exc))
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     if args.tiny:
@@ -797,6 +813,7 @@ def main(argv: list[str] | None = None) -> dict:
         "args": {k: str(v) for k, v in vars(args).items()},
         # the switches that change what runs (DEEPINFER_PDL, DEEPINFER_SIDE_STREAMS, backend pins...): A/B records
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPINFER_")},
+        "overrides": overrides,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

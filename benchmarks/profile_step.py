@@ -12,6 +12,7 @@ and cumulative time. Writes JSON.
     python benchmarks/profile_step.py --tiny --device cpu       # smoke run
     python benchmarks/profile_step.py --cuda-graphs --timeline --batches 1,64   # one graph step, kernel by kernel
     python benchmarks/profile_step.py --cuda-graphs --enqueue --batches 1,64,256  # host-bound or device-bound
+    python benchmarks/profile_step.py ... --set deepinfer_kernels.ops.linear_many.triton.DECODE_STAGES=4  # a tuning
 
 ``--enqueue`` (decode, CUDA): the host's time to plan and launch a step (until ``forward_step`` returns) against the
 device's (CUDA events around it), synchronised, and the time per step launched back to back: the pipelined loop is
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tuning_overrides import apply_overrides
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_model_slice import PAGE_TOKENS, decode_step, pipelined, prefill, rand_ids, sync, tiny_dims  # noqa: E402
@@ -262,7 +264,14 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="decode on CUDA: one step's kernels in order, by family")
     ap.add_argument("--enqueue", action="store_true", help="decode on CUDA: host enqueue vs device time of a step")
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a tuning constant (tuning_overrides)"
+    )
     args = ap.parse_args()
+    try:
+        overrides = apply_overrides(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     from deepinfer_runtime.kv_pool import KVPools
     from deepinfer_runtime.testing.model_slice import replicate_cache
 
@@ -320,6 +329,8 @@ def main() -> None:
         model = None
         if torch.device(dev).type == "cuda":
             torch.cuda.empty_cache()
+    if overrides:
+        results["overrides"] = overrides
     args.out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {args.out}")
 
