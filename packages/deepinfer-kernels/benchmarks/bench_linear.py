@@ -23,6 +23,8 @@ rows on, TFLOP/s and the best of ``MID_TILINGS`` (the mid-size tiling's candidat
 ``--many-cold``: the same sets at 1 and 8 rows as a decode step streams them, over rotating copies of each set (more
 than the L2 holds, so every call reads its weights from HBM): the backend's ``decode_tiling`` against the narrow
 tilings of ``NARROW_TILINGS`` (the first is the single ``linear``'s, which ``linear_many`` used before session 23).
+``--decode-cold``: likewise one narrow weight (the routers' gate GEMVs and ``DECODE_SHAPES``) against
+``NARROW_ONE_TILINGS`` and cuBLAS.
 """
 
 from __future__ import annotations
@@ -93,6 +95,56 @@ DECODE_SHAPES = [
     ("v41 index compressor", 384, 5120, True),
     ("v41 compressor", 2304, 5120, True),
 ]
+# the routers' gate GEMVs (fp32 logits): alone on a MoE layer's critical path, before the router and the experts
+GATE_SHAPES = [("v4 gate", 256, 4096, True), ("v41 gate", 384, 5120, True)]
+# (block_n, block_k, k_split, warps, stages) for one narrow weight at 1-8 rows, cold; the first is narrow_tiling's
+NARROW_ONE_TILINGS = [
+    (32, 128, 512, 4, 4), (32, 128, 256, 4, 4), (16, 128, 512, 4, 4), (16, 128, 256, 4, 4), (32, 128, 1024, 4, 3),
+    (32, 64, 512, 4, 4), (64, 128, 512, 4, 4), (32, 128, 512, 8, 4), (32, 128, 512, 2, 4),
+]  # fmt: skip
+
+
+def decode_cold_table(rec, ceil) -> None:
+    """One narrow weight at 1 / 8 rows over rotating copies (each call from HBM, as in a step): the default
+    dispatch against ``NARROW_ONE_TILINGS``; the four fastest per shape."""
+    print("\n== one narrow decode projection, cold (rotating copies), CUDA graphs (us; % of copy)")
+    for name, n, k, f32 in GATE_SHAPES + DECODE_SHAPES:
+        nbytes = n * k * 2
+        copies = [
+            (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(max(2, (1 << 29) // nbytes))
+        ]
+        out = torch.float32 if f32 else None
+        for m in (1, 8):
+            if not serves(m, n):
+                continue
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = linear_cublas(x, copies[0], out).float()
+            default = _rotating_us(lambda w, x=x, out=out: linear_skinny(x, w, out), copies)
+            cublas = _rotating_us(lambda w, x=x, out=out: linear_cublas(x, w, out), copies)
+            cells = []
+            for i, (bn, bk, ks, warps, stages) in enumerate(NARROW_ONE_TILINGS):
+                cfg = Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
+                try:
+                    got = linear_skinny(x, copies[0], out, cfg=cfg).float()
+                except Exception as exc:  # a tiling past the SM's resources: say so, go on
+                    print(f"  {name} M={m} {cfg}: {type(exc).__name__} (skipped)")
+                    continue
+                if ((got - ref).norm() / ref.norm()).item() > 1e-2:
+                    print(f"  {name} M={m} {cfg}: differs from cuBLAS (skipped)")
+                    continue
+                us = _rotating_us(lambda w, x=x, out=out, cfg=cfg: linear_skinny(x, w, out, cfg=cfg), copies)
+                label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
+                rec.add(kind="decode_cold", shape=name, N=n, K=k, M=m, candidate=i, tiling=label, us=us)
+                cells.append((us, label))
+            rec.add(kind="decode_cold", shape=name, N=n, K=k, M=m, candidate="default", us=default, cublas_us=cublas)
+            pct = 100 * nbytes / default / 1e3 / ceil["copy_GBps"]
+            print(
+                f"  {name:20s} M={m} {nbytes / 2**20:5.1f} MiB  default {default:6.2f} us ({pct:4.1f}%)"
+                f"  cuBLAS {cublas:6.2f}"
+            )
+            for us, label in sorted(cells)[:4]:
+                print(f"      {label:28s} {us:6.2f} us")
+        del copies
 
 
 def decode_table(rec, ceil) -> None:
@@ -304,6 +356,7 @@ def main() -> None:
     ap.add_argument("--many", action="store_true", help="only linear_many's decode sets (one launch vs a loop)")
     ap.add_argument("--stream", action="store_true", help="only the wide decode projections (weight-stream tilings)")
     ap.add_argument("--many-cold", action="store_true", help="linear_many's sets at 1 / 8 rows, cold, narrow tilings")
+    ap.add_argument("--decode-cold", action="store_true", help="one narrow weight at 1 / 8 rows, cold, tilings")
     args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
@@ -314,8 +367,11 @@ def main() -> None:
     if args.stream:
         stream_table(rec, ceil, STREAM_TILINGS)
         return
-    if args.many_cold:
-        many_cold_table(rec, ceil)
+    if args.many_cold or args.decode_cold:
+        if args.decode_cold:
+            decode_cold_table(rec, ceil)
+        if args.many_cold:
+            many_cold_table(rec, ceil)
         return
     if args.decode or args.many:
         if args.decode:

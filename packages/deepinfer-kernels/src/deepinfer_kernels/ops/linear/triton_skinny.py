@@ -53,6 +53,7 @@ SKINNY_MAX_ROWS = 8  # rows of x (one 16-row tensor-core tile); more go to cuBLA
 SKINNY_MAX_N = 1280  # weight rows served at up to SKINNY_MAX_ROWS rows (32-column blocks)
 SKINNY_WIDE_N, SKINNY_WIDE_ROWS = 2304, 2  # and wider weights up to these at batch 1-2 (64-column blocks)
 BLOCK_M, BLOCK_K, K_SPLIT = 16, 128, 512
+NARROW_WARPS, NARROW_STAGES = 4, 4  # of narrow_tiling (module globals, read per call: benchmarks' --set reaches them)
 # weight streams: wider weights of at least STREAM_MIN_ELEMS elements (32 MB in bf16: the q up-projections, output
 # projections and V4.1's Engram values, 67-315 MB) in STREAM_BLOCK_N-row blocks and K splits of up to STREAM_K_SPLIT
 STREAM_MIN_N, STREAM_MIN_ELEMS = SKINNY_WIDE_N + 1, 1 << 24
@@ -143,7 +144,7 @@ def narrow_tiling(k: int, block_n: int) -> Tiling:
     """A narrow weight at up to SKINNY_MAX_ROWS rows of x: ``block_n``-row blocks, K in splits of at most
     ``K_SPLIT`` columns (latency-bound: many short programs)."""
     k_split = min(K_SPLIT, triton.cdiv(k, BLOCK_K) * BLOCK_K)
-    return Tiling(block_n, BLOCK_K, k_split, triton.cdiv(k, k_split))
+    return Tiling(block_n, BLOCK_K, k_split, triton.cdiv(k, k_split), NARROW_WARPS, NARROW_STAGES)
 
 
 def skinny_config(n: int, k: int) -> Tiling:
