@@ -112,6 +112,38 @@ def test_batched_decode_equals_per_request_cuda(arch, dirs, monkeypatch):
         set_batch_invariant(None)
 
 
+def test_v41_candidate_lane_cpu(dirs, monkeypatch):
+    """``deepseek_v41.CANDIDATE_LANE``: the candidate blocks made on their own lane give the same steps (on the CPU
+    the lanes run inline: this checks the path's bookkeeping, the GPU test below its streams)."""
+    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", True)
+    _check("v4.1", dirs, "cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_v41_candidate_lane_cuda(dirs, monkeypatch):
+    """The candidate lane on a GPU: planned steps with it, eagerly and replayed from whole-step graphs (the lane forks
+    from the index lane and rejoins the main path at the step's end), equal the planned steps without it, bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = load_model(dirs["v4.1"], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS["v4.1"])
+    model.enable_cuda_graphs(max_tokens=8)
+
+    def eager():
+        with monkeypatch.context() as m:  # the same plans (padded, bucketed), every step run eagerly
+            m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
+            return _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES["v4.1"]))[0]
+
+    without = eager()
+    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", True)
+    lane = eager()
+    assert len(model.step_graphs) == 0
+    graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4.1"]))
+    assert len(model.step_graphs) >= 1
+    for step, (a, b, c) in enumerate(zip(without, lane, graphed)):
+        assert torch.equal(a, b), f"eager step {step}: the lane changes the logits by {(a - b).abs().max().item()}"
+        assert torch.equal(a, c), f"graph step {step}: the lane changes the logits by {(a - c).abs().max().item()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["v4", "v4.1"])
 def test_step_graphs_give_the_eager_results(arch, dirs, monkeypatch):

@@ -23,6 +23,7 @@ the boundary layer's compressor still consumes every row.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +87,12 @@ from deepinfer_runtime.slot_pool import (
     check_rollback,
 )
 
+# A planned decode step's candidate blocks (the candidate source's mask for the re-index layers after it) on a lane
+# of their own ("candidates"), beside the source's top-k and everything up to the first re-index layer, instead of
+# before the top-k on the index lane (at 32K a block top-k of ~15 us plus three small kernels, all on the source's
+# critical path). Off until measured in whole steps (``benchmarks/ab_slice.py`` with
+# ``--set deepinfer_runtime.models.deepseek_v41.CANDIDATE_LANE=True``); the same bits either way.
+CANDIDATE_LANE = False
 TRUNCATION_MODES = ("off", "mask", "compact")
 
 
@@ -605,12 +612,20 @@ class Attention(nn.Module):
         pool, tables = batch.pages(("idx", self.kv_source))
         scores = indexer_scores_paged(qi[:, None], pool, tables, weights[:, None], self.indexer.head_dim**-0.5)
         visible = batch[("visible", self.ratio)][:, None]
-        cand = shared.get("candidates") if self.uses_candidates else None
+        cand = None
+        if self.uses_candidates:
+            cand = shared.get("candidates")
+            if CANDIDATE_LANE:  # made on their own lane: this lane waits for them (the main path joins at the end)
+                SideStream.of(qi.device, "candidates").depend()
         if self.is_candidate_source:
             cfg = self.cfg
-            shared["candidates"] = candidate_block_mask(
-                scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
-            )
+            lane = SideStream.of(qi.device, "candidates") if CANDIDATE_LANE else None
+            with lane.branch() if lane is not None else contextlib.nullcontext():
+                shared["candidates"] = candidate_block_mask(
+                    scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
+                )
+            if lane is not None:
+                shared["candidate_inputs"] = (scores, visible)  # read on that lane: alive until its join
         picked = pad_ids(indexer_topk(scores, visible, self.indexer.topk, cand)[:, 0], self.indexer.topk)
         shared[("topk", self.layer)] = picked
         return picked
@@ -1113,6 +1128,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             if block.layer in cfg.dspark_target_layer_ids:
                 taps[block.layer] = x.float().mean(dim=1).to(x.dtype)
             x, pre_mix = block.run(x, pre_mix, partial(block.attn.forward_decode, batch=batch, shared=shared))
+        if CANDIDATE_LANE:  # the candidate lane rejoins the main path before the step ends (a graph capture's rule)
+            SideStream.of(x.device, "candidates").join()
+            shared.pop("candidate_inputs", None)
         logits = self.logits(x, pre_mix)
         if self.mtp and taps:
             feats = self.dspark_feature([taps[t] for t in cfg.dspark_target_layer_ids])

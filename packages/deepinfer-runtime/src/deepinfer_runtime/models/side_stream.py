@@ -30,8 +30,9 @@ and a graph replay keeps the priority each kernel was captured with (PyTorch ins
 priorities). A weight stream fills every SM with its programs; without priorities a short kernel of another branch
 waits for a whole wave of them. So the lanes of short latency-bound chains that the main path will wait for
 (compressors, window latents, index keys, mHC coefficients: lanes "layer", "window", "index", "mhc") come first, the
-main path (``capture_stream``, where a decode step's graph is recorded) next, and weight streams with slack last: the
-shared expert (lane "shared", beside the router and the routed experts) and V4.1's Engram values (lane "engram").
+main path (``capture_stream``, where a decode step's graph is recorded) next, and work with slack last: the shared
+expert (lane "shared", beside the router and the routed experts), V4.1's Engram values (lane "engram") and, with
+``deepseek_v41.CANDIDATE_LANE``, V4.1's candidate blocks (lane "candidates", read a few layers later).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ SIDE_STREAMS_ENV = "DEEPINFER_SIDE_STREAMS"  # "0": run the branches in order on
 PRIORITIES_ENV = "DEEPINFER_STREAM_PRIORITIES"  # "0": every stream at CUDA's default priority
 # lower runs first; CUDA's default, 0, is its lowest priority, and out-of-range values clamp to the nearest
 FIRST, MAIN, LAST = -2, -1, 0
-LANE_PRIORITY = {"layer": FIRST, "window": FIRST, "index": FIRST, "mhc": FIRST, "shared": LAST, "engram": LAST}
+LANE_PRIORITY = {
+    "layer": FIRST, "window": FIRST, "index": FIRST, "mhc": FIRST, "shared": LAST, "engram": LAST, "candidates": LAST,
+}  # fmt: skip
 
 
 def _priority(level: int) -> int:
