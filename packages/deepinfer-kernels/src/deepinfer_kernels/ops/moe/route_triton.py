@@ -34,8 +34,8 @@ _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 MAX_EXPERTS = 1024  # a row in one program: the top-k router, and the hash router's softmax
 # Warps of the top-k router (``bench_moe_route.py`` sweeps it). One warp would make its 3k reductions shuffles
 # without CTA barriers and reads the same alone (H200, session 23), but costs 4-10 us a MoE layer in a decode step,
-# where the router shares its SM with weight-stream programs and one warp gets a small share of the issue slots;
-# 8 warps are no faster than 4.
+# likely because there the router shares its SM with weight-stream programs and one warp gets a small share of the
+# issue slots; 8 warps are no faster than 4.
 ROUTE_WARPS = 4
 
 
