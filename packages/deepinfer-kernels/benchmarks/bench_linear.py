@@ -358,17 +358,12 @@ def main() -> None:
     if args.stream:
         stream_table(rec, ceil, STREAM_TILINGS)
         return
-    if args.many_cold or args.decode_cold:
-        if args.decode_cold:
-            decode_cold_table(rec, ceil)
-        if args.many_cold:
-            many_cold_table(rec, ceil)
-        return
-    if args.decode or args.many:
-        if args.decode:
-            decode_table(rec, ceil)
-        if args.many:
-            many_table(rec, ceil)
+    tables = [(args.decode, decode_table), (args.many, many_table), (args.decode_cold, decode_cold_table),
+              (args.many_cold, many_cold_table)]  # fmt: skip
+    if any(asked for asked, _ in tables):  # only the decode-size tables asked for
+        for asked, table in tables:
+            if asked:
+                table(rec, ceil)
         return
     table = [bench_case(rec, ceil, name, m, n, k, dt) for name, n, k, dt in shapes for m in m_sizes]
     print("\n== linear (us; TFLOP/s and % of ceilings for triton_fixed)")
