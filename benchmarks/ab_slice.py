@@ -38,16 +38,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def decode_rows(result: dict) -> list[dict]:
     """(model, context, batch, pipelined ms, x the floor at this run's copy rate) of one gpu_model_slice JSON."""
-    copy = result["ceilings"]["copy_GBps"]
-    rows = []
-    for model in ("v4_ours", "v41_ours"):
-        for r in result.get(model, {}).get("decode", []):
-            floor_ms = r["bytes_as_run"]["total"] / (copy * 1e6)
-            rows.append(
-                {"model": model[:-5], "context": r["context"], "batch": r["batch"], "ms": r["pipelined_ms"],
-                 "x_floor": r["pipelined_ms"] / floor_ms, "copy_GBps": copy}
-            )  # fmt: skip
-    return rows
+    return [
+        {"model": model[:-5], "context": r["context"], "batch": r["batch"], "ms": r["pipelined_ms"],
+         "x_floor": r["ratio_pipelined_as_run"], "copy_GBps": result["ceilings"]["copy_GBps"]}
+        for model in ("v4_ours", "v41_ours")
+        for r in result.get(model, {}).get("decode", [])
+    ]  # fmt: skip
 
 
 def summarize(runs: list[dict]) -> list[dict]:

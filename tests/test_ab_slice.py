@@ -31,7 +31,7 @@ def test_summary_means_and_deltas():
 def test_decode_rows_reads_the_slice_json():
     result = {
         "ceilings": {"copy_GBps": 4000.0},
-        "v4_ours": {"decode": [{"batch": 1, "context": 4096, "pipelined_ms": 1.2, "bytes_as_run": {"total": 4e9}}]},
+        "v4_ours": {"decode": [{"batch": 1, "context": 4096, "pipelined_ms": 1.2, "ratio_pipelined_as_run": 1.25}]},
     }
     (row,) = ab_slice.decode_rows(result)
-    assert row["model"] == "v4" and row["ms"] == 1.2 and row["x_floor"] == pytest.approx(1.2)
+    assert row["model"] == "v4" and row["ms"] == 1.2 and row["x_floor"] == 1.25 and row["copy_GBps"] == 4000.0
