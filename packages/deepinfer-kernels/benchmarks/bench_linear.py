@@ -104,6 +104,32 @@ NARROW_ONE_TILINGS = [
 ]  # fmt: skip
 
 
+def _cold_tilings(rec, ceil, where: str, k: int, tilings, call, want: list, copies, nbytes: int, **meta) -> list:
+    """``call(weights, cfg)`` (one output or a list) for each (block_n, block_k, k_split, warps, stages) of
+    ``tilings`` over rotating ``copies`` of the weights, after checking its outputs against ``want`` (relative error
+    at most 1e-2; a tiling that fails to launch or to match is reported and skipped). Records each; returns
+    [(us, label, % of copy)]."""
+    cells = []
+    for i, (bn, bk, ks, warps, stages) in enumerate(tilings):
+        cfg = Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
+        try:
+            got = call(copies[0], cfg)
+        except Exception as exc:  # a tiling past the SM's resources: say so, go on
+            print(f"  {where} {cfg}: {type(exc).__name__} (skipped)")
+            continue
+        got = got if isinstance(got, (list, tuple)) else [got]
+        err = max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
+        if err > 1e-2:
+            print(f"  {where} {cfg}: rel err {err:.1e} against the reference (skipped)")
+            continue
+        us = _rotating_us(lambda ws, cfg=cfg: call(ws, cfg), copies)
+        label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
+        pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+        rec.add(**meta, candidate=i, tiling=label, us=us, pct_copy=pct)
+        cells.append((us, label, pct))
+    return cells
+
+
 def decode_cold_table(rec, ceil) -> None:
     """One narrow weight at 1 / 8 rows over rotating copies (each call from HBM, as in a step): the default
     dispatch against ``NARROW_ONE_TILINGS``; the four fastest per shape."""
@@ -121,29 +147,19 @@ def decode_cold_table(rec, ceil) -> None:
             ref = linear_cublas(x, copies[0], out).float()
             default = _rotating_us(lambda w, x=x, out=out: linear_skinny(x, w, out), copies)
             cublas = _rotating_us(lambda w, x=x, out=out: linear_cublas(x, w, out), copies)
-            cells = []
-            for i, (bn, bk, ks, warps, stages) in enumerate(NARROW_ONE_TILINGS):
-                cfg = Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
-                try:
-                    got = linear_skinny(x, copies[0], out, cfg=cfg).float()
-                except Exception as exc:  # a tiling past the SM's resources: say so, go on
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__} (skipped)")
-                    continue
-                if ((got - ref).norm() / ref.norm()).item() > 1e-2:
-                    print(f"  {name} M={m} {cfg}: differs from cuBLAS (skipped)")
-                    continue
-                us = _rotating_us(lambda w, x=x, out=out, cfg=cfg: linear_skinny(x, w, out, cfg=cfg), copies)
-                label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
-                rec.add(kind="decode_cold", shape=name, N=n, K=k, M=m, candidate=i, tiling=label, us=us)
-                cells.append((us, label))
+            cells = _cold_tilings(
+                rec, ceil, f"{name} M={m}", k, NARROW_ONE_TILINGS,
+                lambda w, cfg, x=x, out=out: linear_skinny(x, w, out, cfg=cfg), [ref], copies, nbytes,
+                kind="decode_cold", shape=name, N=n, K=k, M=m,
+            )  # fmt: skip
             rec.add(kind="decode_cold", shape=name, N=n, K=k, M=m, candidate="default", us=default, cublas_us=cublas)
             pct = 100 * nbytes / default / 1e3 / ceil["copy_GBps"]
             print(
                 f"  {name:20s} M={m} {nbytes / 2**20:5.1f} MiB  default {default:6.2f} us ({pct:4.1f}%)"
                 f"  cuBLAS {cublas:6.2f}"
             )
-            for us, label in sorted(cells)[:4]:
-                print(f"      {label:28s} {us:6.2f} us")
+            for us, label, pct in sorted(cells)[:4]:
+                print(f"      {label:28s} {us:6.2f} us {pct:5.1f}%")
         del copies
 
 
@@ -311,23 +327,11 @@ def many_cold_table(rec, ceil) -> None:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             want = linear_many_loop(x, sets[0], dts)
             default = _rotating_us(lambda ws, x=x, dts=dts: linear_many_skinny(x, ws, dts), sets)
-            cells = []
-            for i, (bn, bk, ks, warps, stages) in enumerate(NARROW_TILINGS):
-                cfg = Tiling(bn, bk, *even_k_split(k, ks, bk), warps, stages)
-                try:
-                    got = linear_many_skinny(x, sets[0], dts, cfg=cfg)
-                except Exception as exc:  # a tiling past the SM's resources: say so, go on
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__} (skipped)")
-                    continue
-                err = max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
-                if err > 1e-2:
-                    print(f"  {name} M={m} {cfg}: rel err {err:.1e} against the loop (skipped)")
-                    continue
-                us = _rotating_us(lambda ws, x=x, cfg=cfg, dts=dts: linear_many_skinny(x, ws, dts, cfg=cfg), sets)
-                label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
-                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
-                rec.add(kind="many_cold", set=name, M=m, candidate=i, tiling=label, us=us, pct_copy=pct)
-                cells.append((us, label, pct))
+            cells = _cold_tilings(
+                rec, ceil, f"{name} M={m}", k, NARROW_TILINGS,
+                lambda ws, cfg, x=x, dts=dts: linear_many_skinny(x, ws, dts, cfg=cfg), want, sets, nbytes,
+                kind="many_cold", set=name, M=m,
+            )  # fmt: skip
             rec.add(kind="many_cold", set=name, M=m, candidate="default", us=default)
             best = min(cells)
             pct = 100 * nbytes / default / 1e3 / ceil["copy_GBps"]
