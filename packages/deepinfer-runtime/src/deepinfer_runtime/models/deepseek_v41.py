@@ -455,6 +455,7 @@ class Attention(nn.Module):
         return fake_quant_e2m1(qi, 32, "ue8m0") if self.fake_quant else qi
 
     def index_weights(self, xw: torch.Tensor) -> torch.Tensor:
+        """x weights_proj^T [S, H] -> the indexer's head weights [S, H] fp32, scaled by 1/sqrt(H)."""
         return xw.float() * self.indexer.n_heads**-0.5
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor):
