@@ -10,9 +10,10 @@ entries, forced) against the stream (at 8K: the register kernel) and torch.topk,
 decode rows at the widths a step has them (bucketed block tables: 5120 entries at 4K tokens, 33792 at 32K), the
 registers as a power of two plus a tail against the next power of two, with a table. ``--model``: the 32K rows
 as the models pass them (lengths, V4.1's candidate mask, indexer-like scores), warm and cold (after an L2 flush).
+``--grid``: the grid kernel's piece sizes against the kernel a decode row takes without it.
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long |
---buckets | --model]``.
+--buckets | --model | --grid]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
 
@@ -32,8 +33,12 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="only the decode rows past the register kernel")
     ap.add_argument("--buckets", action="store_true", help="only the decode rows at bucketed widths: tail vs pow2")
     ap.add_argument("--model", action="store_true", help="only the 32K decode rows as the models pass them")
+    ap.add_argument("--grid", action="store_true", help="only the grid kernel's pieces on the decode rows")
     args = ap.parse_args()
     rec = Recorder("bench_topk_select")
+    if args.grid:
+        grid_rows(rec)
+        return
     if args.model:
         model_rows(rec)
         return
@@ -172,6 +177,35 @@ def model_rows(rec: Recorder) -> None:
                 cold = cold_us(lambda x=x, v=visible, m=mask: indexer_topk(x[None], v, K, m))
                 rec.add(case="model_rows", name=name, rows=rows, scores=dist, warm_us=warm, cold_us=cold)
                 print(f"{name:>24} {rows:>5} {dist:>8} {warm:>8.1f} {cold:>8.1f}")
+
+
+def grid_rows(rec: Recorder) -> None:
+    """The grid kernel (a row's pieces in one selection, a grid barrier per radix pass) against what the row takes
+    without it (the register kernel up to 8K entries, the split kernel past it) on the decode rows: V4's at 8K / 32K
+    tokens (2048 / 8448 entries, 1 / 8 rows) and V4.1's (5120 / 33792), warm and cold, per piece size (``auto``: as
+    dispatched); same: bitwise the rows of the kernel without it. A table last."""
+    print(f"{'n':>6} {'rows':>5} {'kernel':>16} {'warm':>8} {'cold':>8}  (us)")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = []
+    for n, vis in ((2048, 2048), (4096, 4096), (5120, 4096), (8448, 8192), (33792, 32768)):
+        for rows in (1, 8):
+            g = torch.Generator(device="cuda").manual_seed(n + rows)
+            x = torch.relu(torch.randn(rows, n, generator=g, device="cuda"))
+            lengths = torch.full((rows,), vis, dtype=torch.int64, device="cuda")
+            base = topk_select_triton(x, K, lengths, grid_chunk=0)
+            cases = {"without": dict(grid_chunk=0), "auto": {}}
+            for chunk in backend.GRID_CHUNKS:
+                if backend.grid_plan(n, rows, sms, chunk):
+                    cases[f"grid{chunk}"] = dict(grid_min=0, grid_chunk=chunk)
+            for name, kw in cases.items():
+                same = torch.equal(topk_select_triton(x, K, lengths, **kw), base)
+                warm = graph_us(lambda kw=kw, x=x, ln=lengths: topk_select_triton(x, K, ln, **kw))
+                cold = cold_us(lambda kw=kw, x=x, ln=lengths: topk_select_triton(x, K, ln, **kw))
+                rec.add(case="grid_rows", n=n, rows=rows, kernel=name, warm_us=warm, cold_us=cold, same=same)
+                table.append(f"{n:>6} {rows:>5} {name:>16} {warm:>8.1f} {cold:>8.1f}  same={same}")
+                print(table[-1], flush=True)
+    print("\n== topk_select k = 512, grid kernel vs without (us)")
+    print("\n".join(table))
 
 
 def sweep(rec: Recorder) -> None:

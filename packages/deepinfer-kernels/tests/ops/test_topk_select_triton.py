@@ -66,7 +66,14 @@ def test_mask_is_minus_infinity_written_into_the_scores():
 
 
 triton = pytest.importorskip("triton")
-from deepinfer_kernels.ops.topk_select.triton import register_parts, split_config, topk_select_triton  # noqa: E402
+from deepinfer_kernels.ops._triton_launch import counter_block, sm_count, zeroed_scratch  # noqa: E402
+from deepinfer_kernels.ops.topk_select.triton import (  # noqa: E402
+    GRID_MIN,
+    grid_plan,
+    register_parts,
+    split_config,
+    topk_select_triton,
+)
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test  # noqa: E402
 
 
@@ -163,11 +170,20 @@ def test_gpu_matches_reference(n):
         assert torch.equal(topk_select_triton(x[r : r + 1].clone(), 512, lengths[r : r + 1])[0], out[r]), r
     # the other kernels give the same rows: the split one (pieces of 4096 / 2048 entries, whatever the rows), the
     # stream
-    assert torch.equal(topk_select_triton(x, 512, lengths, block_row_max=0, chunk=0), out)
+    assert torch.equal(topk_select_triton(x, 512, lengths, block_row_max=0, chunk=0, grid_chunk=0), out)
+    assert torch.equal(topk_select_triton(x, 512, lengths, grid_chunk=0), out)  # register / split / stream
     for chunk in (4096, 2048):
         if split_config(n, 512, chunk):
-            got = topk_select_triton(x, 512, lengths, block_row_max=0, chunk=chunk, split_programs=1 << 20)
+            forced = dict(block_row_max=0, chunk=chunk, split_programs=1 << 20, grid_chunk=0)
+            got = topk_select_triton(x, 512, lengths, **forced)
             assert torch.equal(got, out), chunk
+    # and the grid kernel, on as many rows as its pieces fit the SMs
+    for chunk in (512, 1024, 2048):
+        rows = max(1, min(64, sm_count(x.device) // triton.cdiv(n, chunk)))
+        if grid_plan(n, rows, sm_count(x.device), chunk):
+            got = topk_select_triton(x[:rows], 512, lengths[:rows], mask[:rows], grid_min=0, grid_chunk=chunk)
+            assert torch.equal(got, out[:rows]), chunk
+    assert not zeroed_scratch(x.device).any() and not counter_block(x.device).any(), "left as found"
 
 
 @pytest.mark.gpu
@@ -176,3 +192,36 @@ def test_gpu_hard_rows(n):
     x, lengths = _hard_rows(n, 1, device="cuda")
     for k in (1, 512, 2048, 60000):
         assert torch.equal(topk_select_triton(x, k, lengths), topk_select_ref(x, k, lengths)), k
+    for k in (1, 512, 2048, 60000):  # the grid kernel: 12 rows of 6 / 49 pieces
+        got = topk_select_triton(x[:2], k, lengths[:2], grid_min=0, grid_chunk=1024)
+        assert torch.equal(got, topk_select_ref(x[:2], k, lengths[:2])), k
+        if n == 6000:
+            got = topk_select_triton(x, k, lengths, grid_min=0, grid_chunk=1024)
+            assert torch.equal(got, topk_select_ref(x, k, lengths)), k
+
+
+@pytest.mark.gpu
+def test_gpu_grid_kernel_ties_and_graph_replays():
+    """Ties at the k-th key spread over the grid kernel's pieces (the row's lowest indices win), the V4 decode row
+    (8448 entries, 8192 visible) from a CUDA graph replayed with new scores in place, twice per replay: the
+    workspace and counters each launch leaves zeroed make the next one right."""
+    x = torch.full((3, 9000), 1.0, device="cuda")
+    x[1, ::3] = 2.0  # 3000 entries above the tie value: k = 3100 takes 100 of the ties, all in the first piece
+    x[2, 7000:] = float("-inf")
+    for k in (50, 512, 3100, 9000):
+        assert torch.equal(topk_select_triton(x, k, grid_min=0, grid_chunk=512), topk_select_ref(x, k)), k
+    g = torch.Generator(device="cuda").manual_seed(7)
+    scores = torch.relu(torch.randn(2, 8448, generator=g, device="cuda"))
+    lengths = torch.tensor([8192, 5000], device="cuda")
+    static = scores.clone()
+    topk_select_triton(static, 512, lengths)  # compile and warm outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = topk_select_triton(static, 512, lengths)
+        second = topk_select_triton(static.flip(1).contiguous(), 512, lengths)
+    for seed in range(3):
+        static.copy_(torch.relu(torch.randn(2, 8448, generator=g, device="cuda")).to(torch.bfloat16).float())
+        graph.replay()
+        assert torch.equal(first, topk_select_ref(static, 512, lengths)), seed
+        assert torch.equal(second, topk_select_ref(static.flip(1), 512, lengths)), seed
+    assert 8448 >= GRID_MIN and grid_plan(8448, 2, sm_count(x.device)) == (512, 17), "V4's decode row: the grid"

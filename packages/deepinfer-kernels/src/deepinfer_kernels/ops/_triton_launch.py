@@ -14,6 +14,7 @@ import torch
 
 PDL_ENV = "DEEPINFER_PDL"  # "0" turns programmatic dependent launch off (``pdl_options``)
 COUNTERS = 1 << 14  # arrival counters a launch may use (``counter_block``)
+SCRATCH_WORDS = 1 << 18  # zeroed int32 words a launch may accumulate into (``zeroed_scratch``)
 
 
 @functools.cache
@@ -93,4 +94,19 @@ def counter_block(device: torch.device) -> torch.Tensor:
     buf = _counters.get(key)
     if buf is None:
         buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def zeroed_scratch(device: torch.device) -> torch.Tensor:
+    """SCRATCH_WORDS zeroed int32 words, one buffer per (device, stream), on ``counter_block``'s terms: a kernel that
+    accumulates into it (a row's histogram summed across programs) leaves it zeroed again before it completes, and
+    kernels of one stream share it. Fixed size: a captured graph keeps pointing at it."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _scratch.get(key)
+    if buf is None:
+        buf = _scratch[key] = torch.zeros(SCRATCH_WORDS, dtype=torch.int32, device=device)
     return buf

@@ -1,6 +1,6 @@
 """Triton radix-select top-k (CUDA backend ``triton``), in the spirit of DeepSelect.
 
-One program per row:
+The steps, as one program per row runs them:
 
 1. Every score maps to a 32-bit key whose signed-int order is the float order (negative floats get
    their 31 low bits flipped; -0.0 becomes +0.0). Non-selectable entries (NaN, -inf, n >= length,
@@ -13,21 +13,31 @@ One program per row:
    entries inside it (lower index wins: the contract's tie rule), at their running prefix count, so
    the output is ascending without a sort; then -1 fills the rest of the row.
 
-Three kernels share these steps (``_keys``; ``_radix`` over ``_in_bucket``, ``_digit_hist``, ``_narrow``; ``_select``):
+Four kernels share these steps (``_keys``; ``_radix`` over ``_in_bucket``, ``_digit_hist``, ``_narrow``; ``_select``):
 
-* ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries (the decode indexer: N = context /
-  ratio, 1K-8K at 4K-32K tokens): the row is read once and every pass works on the keys in registers, held as a
-  power of two plus a power-of-two tail where that is smaller (``register_parts``: the rows are as wide as the
-  step's bucketed block tables, so often just past a power of two). At small batch the op is one program's
-  latency, and each re-read of the row is a dependent L2 round trip.
-* ``_topk_select_split_kernel``, longer rows while k is small against them (the decode indexer at 32K tokens:
-  16K-32K entries, k = 512): the row is cut into CHUNK-entry pieces, one program each, read once. Each program
-  selects its piece's top k in registers as above and writes the chosen (key, index) pairs in index order to a
-  workspace; the last program of the row to finish (an arrival counter per row, as ``linear``'s split-K) selects
-  the row's top k among the pieces' P * k candidates, again in registers. Exact: a piece that drops an entry
-  equal to the row's k-th key already holds k entries at or above it, each ahead of it in the tie order, so the
-  row's selection never needs it; and the candidates' order is the row's index order, so the lower index still
-  wins ties and the output stays ascending.
+* ``_topk_select_grid_kernel``, rows of at least ``GRID_MIN`` entries at small batch (the decode indexer from 4K
+  tokens on V4.1 and 32K on V4, at batch 1-8): the row is cut into 512-4096-entry pieces (``grid_plan``: the
+  smallest whose programs fit the SMs), one program each, read once and held in registers, and the P programs run
+  one selection: each pass adds their histograms in a zeroed workspace and waits at a barrier on the row's counter
+  (``_grid_barrier``), then every program reads the row's histogram and takes the same decision; the compaction
+  waits once more for the pieces' counts above / at T to place its entries. A pass costs a barrier (~1-2 us) where
+  one program over the whole row pays its per-entry histogram work (~3 us per 1K entries for four passes): 8448
+  entries in 8.4 us against 20 split, 33792 in 8.8 against 24.5. All pieces of a row must be resident at once, so
+  the kernel never has more programs than SMs, and never runs under the interpreter (which runs programs one after
+  another).
+* ``_topk_select_block_kernel``, rows of at most ``BLOCK_ROW_MAX`` entries otherwise (the decode indexer: N =
+  context / ratio, 1K-8K at 4K-32K tokens; under GRID_MIN, or at larger batches): the row is read once and every
+  pass works on the keys in registers, held as a power of two plus a power-of-two tail where that is smaller
+  (``register_parts``: the rows are as wide as the step's bucketed block tables, so often just past a power of
+  two). At small batch the op is one program's latency, and each re-read of the row is a dependent L2 round trip.
+* ``_topk_select_split_kernel``, longer rows while k is small against them and the grid kernel does not fit (the
+  decode indexer at 32K tokens from about batch 16: 16K-32K entries, k = 512): the row is cut into CHUNK-entry
+  pieces, one program each, read once. Each program selects its piece's top k in registers as above and writes the
+  chosen (key, index) pairs in index order to a workspace; the last program of the row to finish (an arrival
+  counter per row, as ``linear``'s split-K) selects the row's top k among the pieces' P * k candidates, again in
+  registers. Exact: a piece that drops an entry equal to the row's k-th key already holds k entries at or above it,
+  each ahead of it in the tie order, so the row's selection never needs it; and the candidates' order is the row's
+  index order, so the lower index still wins ties and the output stays ascending.
 * ``_topk_select_kernel``, longer rows otherwise: the row is streamed in ``BLOCK`` chunks, so two to five reads of
   it (after the first, mostly L2 hits for indexer-size rows). One program per row is latency-bound at small batch
   (each tl.histogram pass costs ~90 us for a 128K row on H200, and 2048 bins cost ~4x 256 bins, so wider digits
@@ -43,10 +53,14 @@ import triton.language as tl
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import (
     COUNTERS,
+    SCRATCH_WORDS,
     counter_block,
+    interpreting,
     pdl_options,
     require_same_device,
+    sm_count,
     triton_cuda_available,
+    zeroed_scratch,
 )
 from deepinfer_kernels.registry import register_backend
 
@@ -61,7 +75,18 @@ SPLIT_CAND_MAX = 8192  # the split kernel's candidates (pieces x k) per row, hel
 # pieces of a 33792-entry row (V4.1's index at 32K) x 64 rows: 78 us split against 128 streamed (session 21,
 # --buckets; V4.1 batch 64 at 32K 10.75 -> 10.67 ms, twice); every measured count up to it splits as fast or faster
 SPLIT_MAX_PROGRAMS = 576
+# The grid kernel from GRID_MIN entries, in the smallest pieces of GRID_CHUNKS whose programs fit the SMs. H200,
+# k = 512, CUDA graphs, us warm / cold, one row (bench_topk_select.py --grid, session 24): 5120 entries (V4.1 at
+# 4K tokens) 15.8 / 16.1 with the register kernel -> 10.4 / 11.4 in 512-entry pieces; 8448 (V4 at 32K) 20.2 / 20.8
+# split -> 8.4 / 9.0; 33792 (V4.1 at 32K) 24.5 / 24.5 -> 8.8 / 9.8; 8 rows of 8448: 26.5 -> 15.0 in 1024-entry pieces.
+# 2048 entries stay in registers (9.2 us; 10.5 in four pieces).
+GRID_MIN = 4096
+GRID_CHUNKS = (512, 1024, 2048, 4096)
+GRID_MIN_PIECES = 4
 INT_MIN = tl.constexpr(-2147483648)
+GRID_WS_WORDS = 4 * 256 + 1  # a grid-selected row's zeroed workspace: 4 passes' histograms, its selectable count
+GRID_WS = tl.constexpr(GRID_WS_WORDS)
+GRID_WS_POW2 = tl.constexpr(2048)
 
 
 @triton.jit
@@ -252,6 +277,83 @@ def _topk_select_split_kernel(
 
 
 @triton.jit
+def _grid_barrier(cnt_ptr, target):
+    """Wait until ``target`` arrivals on the row's counter, this program's one included: the CTA barrier orders every
+    thread's writes before the one release, the acquire orders the reads after it before every thread's."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _topk_select_grid_kernel(
+    s_ptr, len_ptr, m_ptr, out_ptr, ws_ptr, cn_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P,
+    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, P_MAX: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Piece ``program_id(1)`` (CHUNK entries, read once, held in registers) of a row whose P pieces run as one
+    selection: each radix pass adds the pieces' histograms in the row's zeroed workspace ``ws`` (GRID_WS words: a
+    256-bin histogram per pass, then the count of selectable entries) and waits for all P (``_grid_barrier`` on the
+    row's counter), so every piece takes the same decisions; then each piece publishes its counts above / at T
+    (``cn``), waits, and writes its selected entries at the positions the pieces before it leave (ties: the lower
+    index first, across pieces). The last piece to leave zeroes the workspace and the counters."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    ws = ws_ptr + row * GRID_WS
+    cnt = cnt_ptr + 2 * row  # arrivals, then departures
+    idx = piece * CHUNK + tl.arange(0, CHUNK)
+    in_piece = idx < N
+    length = _row_length(len_ptr, row, N, HAS_LEN)
+    key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.int32)
+    level = tl.full([], 32, dtype=tl.int32)
+    k_rem = tl.zeros([], dtype=tl.int32)
+    go = tl.full([], 1, dtype=tl.int32)
+    arrived = tl.zeros([], dtype=tl.int32)
+    for p in range(4):
+        if go != 0:
+            shift = 24 - 8 * p
+            hist = _digit_hist(key, _in_bucket(key, in_piece, prefix, shift, p == 0), shift)
+            tl.atomic_add(ws + p * 256 + bins, hist, mask=hist != 0, sem="relaxed", scope="gpu")
+            if p == 0:
+                tl.atomic_add(ws + 4 * 256, tl.sum(valid.to(tl.int32), axis=0), sem="relaxed", scope="gpu")
+            arrived += P
+            _grid_barrier(cnt, arrived)
+            hist = tl.load(ws + p * 256 + bins, cache_modifier=".cg")
+            if p == 0:
+                k_rem = tl.minimum(K, tl.load(ws + 4 * 256, cache_modifier=".cg"))
+            k_rem, prefix, go = _narrow(hist, k_rem, prefix, shift)
+            level = shift
+    t_hi = (prefix ^ INT_MIN) >> level
+    hi = key >> level
+    tl.store(cn_ptr + (row * P + piece) * 2, tl.sum((valid & (hi > t_hi)).to(tl.int32), axis=0))
+    tl.store(cn_ptr + (row * P + piece) * 2 + 1, tl.sum((valid & (hi == t_hi)).to(tl.int32), axis=0))
+    _grid_barrier(cnt, arrived + P)
+    j = tl.arange(0, P_MAX)
+    before = j < piece
+    above = tl.sum(tl.load(cn_ptr + (row * P + j) * 2, mask=before, other=0, cache_modifier=".cg"), axis=0)
+    n_eq = tl.sum(tl.load(cn_ptr + (row * P + j) * 2 + 1, mask=before, other=0, cache_modifier=".cg"), axis=0)
+    dst = out_ptr + row * out_stride
+    n_sel, _ = _compact(dst, idx, key, valid, t_hi, level, k_rem, above + tl.minimum(n_eq, k_rem), n_eq)
+    if piece == P - 1:  # its count is the row's: -1 past it, up to the output's width
+        width = tl.minimum(K, N)
+        for f in range(0, width, CHUNK):
+            pos = f + tl.arange(0, CHUNK)
+            tl.store(dst + pos, tl.full([CHUNK], -1, tl.int64), mask=(pos >= n_sel) & (pos < width))
+    tl.debug_barrier()  # every thread's reads are done before the departure
+    if tl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu") == P - 1:  # the last to leave: no one reads ws now
+        w = tl.arange(0, GRID_WS_POW2)
+        tl.store(ws + w, tl.zeros([GRID_WS_POW2], dtype=tl.int32), mask=w < GRID_WS)
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(cnt + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _topk_select_kernel(
     s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
@@ -332,17 +434,42 @@ def split_config(n: int, k: int, chunk: int = SPLIT_CHUNK) -> tuple[int, int, in
     return pieces, cand, tail, warps
 
 
+def grid_plan(n: int, rows: int, sms: int, chunk: int | None = None) -> tuple[int, int] | None:
+    """(entries a piece, pieces a row) of the grid kernel (``_topk_select_grid_kernel``): the smallest of
+    GRID_CHUNKS (or ``chunk``) whose rows x pieces programs fit the SMs, since every piece of a row must be resident
+    while the others wait at its barriers (within one program per SM they are, whatever else runs), in at least
+    GRID_MIN_PIECES pieces unless ``chunk`` forces it (fewer pay the barriers for little parallelism); None where
+    none does, or under the interpreter (it runs programs one after another)."""
+    if interpreting():
+        return None
+    if rows * GRID_WS_WORDS > SCRATCH_WORDS or 2 * rows > COUNTERS:
+        return None
+    for c in (chunk,) if chunk else GRID_CHUNKS:
+        pieces = triton.cdiv(n, c)
+        if rows * pieces <= sms and (chunk or pieces >= GRID_MIN_PIECES):
+            return c, pieces
+    return None
+
+
 def topk_select_triton(
     scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None, *,
-    block: int = BLOCK,
-    num_warps: int = NUM_WARPS, block_row_max: int = BLOCK_ROW_MAX, chunk: int = SPLIT_CHUNK,
-    split_programs: int = SPLIT_MAX_PROGRAMS,
+    block: int | None = None, num_warps: int | None = None, block_row_max: int | None = None,
+    chunk: int | None = None, split_programs: int | None = None, grid_min: int | None = None,
+    grid_chunk: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The op (contract in ``__init__.py``). Rows of at most ``block_row_max`` entries take the register-resident
-    kernel (its tiling from ``register_parts``), longer ones the split kernel in ``chunk``-entry pieces
-    (``split_config``; 0 turns it off) while rows x pieces is at most ``split_programs``, or else the streaming
-    kernel, tiled by ``block`` / ``num_warps``. All are exposed for the benchmark's sweep and the tests
-    (``block_row_max=0`` skips the register kernel)."""
+    """The op (contract in ``__init__.py``). Rows of at least ``grid_min`` entries take the grid kernel where its
+    pieces fit the SMs (``grid_plan``; ``grid_chunk`` forces a piece size, 0 turns the kernel off); else rows of at
+    most ``block_row_max`` entries the register-resident kernel (its tiling from ``register_parts``), longer ones
+    the split kernel in ``chunk``-entry pieces (``split_config``; 0 turns it off) while rows x pieces is at most
+    ``split_programs``, or else the streaming kernel, tiled by ``block`` / ``num_warps``. All are exposed for the
+    benchmark's sweep and the tests (``block_row_max=0`` skips the register kernel); left None, each is the module
+    global of its name in capitals (read at the call, so that a benchmark's ``--set`` changes it)."""
+    block = BLOCK if block is None else block
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    block_row_max = BLOCK_ROW_MAX if block_row_max is None else block_row_max
+    chunk = SPLIT_CHUNK if chunk is None else chunk
+    split_programs = SPLIT_MAX_PROGRAMS if split_programs is None else split_programs
+    grid_min = GRID_MIN if grid_min is None else grid_min
     s, n = scores.shape
     width = min(k, n)
     out = torch.empty(s, width, dtype=torch.int64, device=scores.device)
@@ -358,10 +485,21 @@ def topk_select_triton(
         mask = mask.contiguous()
     msk = mask if mask is not None else scores  # dummy pointer when absent
     common = dict(HAS_LEN=lengths is not None, HAS_MASK=mask is not None, **pdl_options(scores.device))
+    grid = None
+    if n >= grid_min and grid_chunk != 0:
+        grid = grid_plan(n, s, sm_count(scores.device), grid_chunk)
     split = split_config(n, width, chunk) if n > block_row_max and s <= COUNTERS else None
     if split is not None and s * split[0] > split_programs:
         split = None
-    if n <= block_row_max:
+    if grid is not None:
+        piece, pieces = grid
+        counts = torch.empty(s, pieces, 2, dtype=torch.int32, device=scores.device)
+        _topk_select_grid_kernel[(s, pieces)](
+            scores, lens, msk, out, zeroed_scratch(scores.device), counts, counter_block(scores.device), n, width,
+            scores.stride(0), msk.stride(0), out.stride(0), pieces, CHUNK=piece,
+            P_MAX=max(2, triton.next_power_of_2(pieces)), num_warps=block_warps(piece), **common,
+        )  # fmt: skip
+    elif n <= block_row_max:
         block, tail, warps = register_parts(n)
         _topk_select_block_kernel[(s,)](
             scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block, TAIL=tail,
