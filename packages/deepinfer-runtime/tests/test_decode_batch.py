@@ -112,10 +112,11 @@ def test_batched_decode_equals_per_request_cuda(arch, dirs, monkeypatch):
         set_batch_invariant(None)
 
 
-def test_v41_candidate_lane_cpu(dirs, monkeypatch):
-    """``deepseek_v41.CANDIDATE_LANE``: the candidate blocks made on their own lane give the same steps (on the CPU
-    the lanes run inline: this checks the path's bookkeeping, the GPU test below its streams)."""
-    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", True)
+def test_v41_without_candidate_lane_cpu(dirs, monkeypatch):
+    """``deepseek_v41.CANDIDATE_LANE`` off: the candidate blocks made on the index lane before the top-k give the
+    same steps as with their own lane (the default; on the CPU the lanes run inline: this checks the path's
+    bookkeeping, the GPU test below its streams)."""
+    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", False)
     _check("v4.1", dirs, "cpu", torch.float32, monkeypatch)
 
 
@@ -133,6 +134,7 @@ def test_v41_candidate_lane_cuda(dirs, monkeypatch):
             m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
             return _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES["v4.1"]))[0]
 
+    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", False)
     without = eager()
     monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", True)
     lane = eager()

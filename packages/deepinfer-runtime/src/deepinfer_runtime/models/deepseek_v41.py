@@ -90,9 +90,9 @@ from deepinfer_runtime.slot_pool import (
 # A planned decode step's candidate blocks (the candidate source's mask for the re-index layers after it) on a lane
 # of their own ("candidates"), beside the source's top-k and everything up to the first re-index layer, instead of
 # before the top-k on the index lane (at 32K a block top-k of ~15 us plus three small kernels, all on the source's
-# critical path). Off until measured in whole steps (``benchmarks/ab_slice.py`` with
-# ``--set deepinfer_runtime.models.deepseek_v41.CANDIDATE_LANE=True``); the same bits either way.
-CANDIDATE_LANE = False
+# critical path). The same bits either way. H200, pipelined ms at 32K tokens, two alternating rounds in one lease
+# (``benchmarks/ab_slice.py``, session 24): batch 1 2.381 -> 2.376, batch 8 5.273 -> 5.249.
+CANDIDATE_LANE = True
 TRUNCATION_MODES = ("off", "mask", "compact")
 
 
