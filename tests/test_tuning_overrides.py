@@ -24,6 +24,20 @@ def test_sets_a_module_global_read_at_call_time(monkeypatch):
     assert many.decode_tiling(4096).k_split == 512
 
 
+def test_sets_a_key_of_a_module_dict_in_place(monkeypatch):
+    import torch
+    from deepinfer_kernels.ops.grouped_gemm import triton as grouped
+
+    monkeypatch.setitem(grouped.GATHER_BF16, "BLOCK_N", grouped.GATHER_BF16["BLOCK_N"])  # restored after the test
+    done = apply_overrides(["deepinfer_kernels.ops.grouped_gemm.triton.GATHER_BF16.BLOCK_N=64"])
+    assert done == {"deepinfer_kernels.ops.grouped_gemm.triton.GATHER_BF16.BLOCK_N": 64}
+    assert grouped.GATHER_CFG[torch.bfloat16]["BLOCK_N"] == 64  # the dict the kernel's launcher reads
+    with pytest.raises(ValueError, match="has no key 'BLOCK_X'"):
+        apply_overrides(["deepinfer_kernels.ops.grouped_gemm.triton.GATHER_BF16.BLOCK_X=64"])
+    with pytest.raises(ValueError, match="cannot import"):  # not a dict: no key to set
+        apply_overrides(["deepinfer_kernels.ops.linear_many.triton.DECODE_STAGES.X=1"])
+
+
 @pytest.mark.parametrize(
     "spec, says",
     [

@@ -137,9 +137,9 @@ def _grouped_kernel(
 # fewer than WIDE_MIN_ROWS_PER_EXPERT rows: 64-row tiles keep the padded MMA cheap against the weight stream
 # and narrow column blocks give enough programs. Contiguous with more rows: wide tiles, fewer L2 reads per MMA
 # flop. The benchmark's --sweep mutates these dicts.
+GATHER_BF16 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_SWIGLU": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 GATHER_CFG = {
-    torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_SWIGLU": 64, "BLOCK_K": 64, "num_warps": 4,
-                     "num_stages": 4},
+    torch.bfloat16: GATHER_BF16,  # its own name: a benchmark's --set ...GATHER_BF16.BLOCK_N=64 changes it in place
     torch.float32: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_N_SWIGLU": 32, "BLOCK_K": 32, "num_warps": 4,
                     "num_stages": 3},
 }  # fmt: skip
