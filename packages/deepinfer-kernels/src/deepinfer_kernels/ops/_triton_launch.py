@@ -80,7 +80,17 @@ def _pdl_options(index: int) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_zeroed: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+
+def _per_stream_zeros(name: str, words: int, device: torch.device) -> torch.Tensor:
+    """``words`` zeroed int32 words for ``name``, one buffer per (device, current stream), made once."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (name, device, stream)
+    buf = _zeroed.get(key)
+    if buf is None:
+        buf = _zeroed[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return buf
 
 
 def counter_block(device: torch.device) -> torch.Tensor:
@@ -89,24 +99,11 @@ def counter_block(device: torch.device) -> torch.Tensor:
     zero again, so graph replays need no memset. Kernels of one stream share the set (with programmatic dependent
     launch a kernel touches memory only after the one before it completed); kernels on two streams may run at once,
     hence one set per stream."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _counters.get(key)
-    if buf is None:
-        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
-_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+    return _per_stream_zeros("counters", COUNTERS, device)
 
 
 def zeroed_scratch(device: torch.device) -> torch.Tensor:
     """SCRATCH_WORDS zeroed int32 words, one buffer per (device, stream), on ``counter_block``'s terms: a kernel that
     accumulates into it (a row's histogram summed across programs) leaves it zeroed again before it completes, and
     kernels of one stream share it. Fixed size: a captured graph keeps pointing at it."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _scratch.get(key)
-    if buf is None:
-        buf = _scratch[key] = torch.zeros(SCRATCH_WORDS, dtype=torch.int32, device=device)
-    return buf
+    return _per_stream_zeros("scratch", SCRATCH_WORDS, device)
