@@ -12,7 +12,7 @@ from deepinfer_runtime import load_model
 from deepinfer_runtime.cuda_graphs import StepGraphs
 from deepinfer_runtime.decode_batch import DecodeBatch, batch_bucket
 from deepinfer_runtime.kv_pool import KVPools, PagedRows
-from deepinfer_runtime.models import deepseek_v4, deepseek_v41
+from deepinfer_runtime.models import deepseek_v4, deepseek_v41, layers
 from deepinfer_runtime.slot_pool import Ring, SlotPool, SlotSpec
 from deepinfer_runtime.testing.tiny_checkpoint import write_tiny_checkpoint
 
@@ -144,6 +144,40 @@ def test_v41_candidate_lane_cuda(dirs, monkeypatch):
     for step, (a, b, c) in enumerate(zip(without, lane, graphed)):
         assert torch.equal(a, b), f"eager step {step}: the lane changes the logits by {(a - b).abs().max().item()}"
         assert torch.equal(a, c), f"graph step {step}: the lane changes the logits by {(a - c).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_fused_out_rope_cpu(arch, dirs, monkeypatch):
+    """``layers.FUSED_OUT_ROPE``: the attention's inverse RoPE asked of the attention op (on the CPU its reference
+    then rotates the output: this checks the plumbing; the GPU test below the fused kernels)."""
+    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", True)
+    _check(arch, dirs, "cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_fused_out_rope_cuda(arch, dirs, monkeypatch):
+    """The inverse RoPE in the attention kernels' epilogue: planned steps with it, eagerly and replayed from
+    whole-step graphs, equal the steps with the RoPE's own launch, bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch])
+    model.enable_cuda_graphs(max_tokens=8)
+
+    def eager():
+        with monkeypatch.context() as m:  # the same plans (padded, bucketed), every step run eagerly
+            m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
+            return _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES[arch]))[0]
+
+    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", False)
+    without = eager()
+    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", True)
+    fused = eager()
+    graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
+    assert len(model.step_graphs) >= 1
+    for step, (a, b, c) in enumerate(zip(without, fused, graphed)):
+        assert torch.equal(a, b), f"eager step {step}: the fusion changes the logits by {(a - b).abs().max().item()}"
+        assert torch.equal(a, c), f"graph step {step}: the fusion changes the logits by {(a - c).abs().max().item()}"
 
 
 @pytest.mark.gpu

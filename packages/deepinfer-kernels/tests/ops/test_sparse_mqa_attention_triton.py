@@ -66,6 +66,42 @@ def _interp_two_segments_read_in_place() -> None:
         assert_rel_close(two, sparse_mqa_attention_ref(q, (kv, pool), idx, sinks, 0.125), 1e-5, "vs reference")
 
 
+def _out_rope_is_the_op_after(device: str, dtype: torch.dtype, t: int, h: int, d: int, half: int, splits) -> None:
+    """``out_rope`` (the inverse RoPE of the output's trailing 2 * half channels, in the kernel that stores it): the
+    bits of the attention without it, then ``rope_interleaved(inverse=True)`` on its output, on both store paths
+    (one pass: split None; split partials and their combine), and through the op's front end for every backend."""
+    from deepinfer_kernels.ops.rope.triton import rope_interleaved_triton
+    from deepinfer_kernels.ops.sparse_mqa_attention import sparse_mqa_attention
+
+    q, kv, idx, sinks = _inputs(t, h, d, 300, 96, dtype, device, seed=d + half)
+    g = torch.Generator(device=device).manual_seed(half)
+    pos = torch.randint(0, 1_000_000, (t,), generator=g, device=device)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 2 * half, 2, device=device).float() / (2 * half)))
+    for split in splits:
+        kw = dict(split=split, block_h=16, block_n=16, num_warps=4)
+        plain = attn.launch(q, kv, idx, sinks, d**-0.5, **kw)
+        want = rope_interleaved_triton(plain, pos, inv, inverse=True)
+        got = attn.launch(q, kv, idx, sinks, d**-0.5, out_rope=(pos, inv), **kw)
+        assert_bitwise(got, want, f"out_rope {dtype} split={split} d={d} half={half}")
+    backends = dict(BACKENDS)
+    if device == "cuda":
+        from deepinfer_kernels.ops.sparse_mqa_attention import gluon
+
+        if gluon._hopper():  # the default on Hopper: the Triton tiles below 64 queries, the wide kernel from there
+            backends["gluon_adaptive"] = gluon.sparse_mqa_attention_gluon_adaptive
+    for name, fn in backends.items():
+        want = rope_interleaved_triton(fn(q, kv, idx, sinks, d**-0.5), pos, inv, inverse=True)
+        assert_bitwise(fn(q, kv, idx, sinks, d**-0.5, out_rope=(pos, inv)), want, f"out_rope {name}")
+    front = sparse_mqa_attention(q, kv, idx, sinks, d**-0.5, out_rope=(pos, inv))  # the dispatched backend
+    assert_rel_close(front.float(), want.float(), TOL[dtype], "out_rope through the op")
+
+
+def _interp_out_rope() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        _out_rope_is_the_op_after("cpu", dtype, 5, 20, 48, 8, (None, 32))
+    _out_rope_is_the_op_after("cpu", torch.bfloat16, 3, 4, 64, 32, (None, 32))  # every channel rotated
+
+
 INTERP_CASES = {
     f"{dt}-split{split}-h{h}-d{d}": ("_interp_matches_reference", (dt, split, h, d))
     for dt in ("float32", "bfloat16")
@@ -74,6 +110,23 @@ INTERP_CASES = {
 }
 INTERP_CASES["int32-backends-invariance"] = ("_interp_int32_indices_backends_and_row_invariance", ())
 INTERP_CASES["two-segments"] = ("_interp_two_segments_read_in_place", ())
+INTERP_CASES["out-rope"] = ("_interp_out_rope", ())
+
+
+def test_out_rope_on_the_reference_backend():
+    """Without a fusing backend (the reference on the CPU), the op applies the inverse RoPE after the attention; bad
+    ``out_rope`` shapes are errors naming them."""
+    from deepinfer_kernels.ops.rope import rope_interleaved
+    from deepinfer_kernels.ops.sparse_mqa_attention import sparse_mqa_attention
+
+    q, kv, idx, sinks = _inputs(4, 8, 64, 100, 32, torch.float32, "cpu", seed=1)
+    pos, inv = torch.tensor([0, 5, 77, 123456]), torch.rand(16)
+    want = rope_interleaved(sparse_mqa_attention_ref(q, kv, idx, sinks, 0.125), pos, inv, inverse=True)
+    assert_bitwise(sparse_mqa_attention(q, kv, idx, sinks, 0.125, out_rope=(pos, inv)), want, "reference + rope")
+    with pytest.raises(ValueError, match="out_rope wants positions"):
+        sparse_mqa_attention(q, kv, idx, sinks, 0.125, out_rope=(pos[:3], inv))
+    with pytest.raises(ValueError, match="out_rope wants positions"):
+        sparse_mqa_attention(q, kv, idx, sinks, 0.125, out_rope=(pos, torch.rand(33)))
 
 
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
@@ -106,6 +159,14 @@ def test_gpu_decode_matches_reference(backend, t):
     rows = torch.arange(min(t, 16), device="cuda")  # reference memory is [rows, H, K, D] fp32
     ref = sparse_mqa_attention_ref(q[rows], kv, idx[rows], sinks, D**-0.5)
     assert_rel_close(out[rows].float(), ref.float(), TOL[torch.bfloat16], f"{backend} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 200])
+def test_gpu_out_rope_is_the_op_after(t):
+    """V4 / V4.1 shapes (64 heads of 512, the last 64 channels rotated): the fused inverse RoPE bitwise the RoPE
+    kernel on the attention's output, on both store paths and through every Triton backend's tiles."""
+    _out_rope_is_the_op_after("cuda", torch.bfloat16, t, H, D, 32, (None, 64))
 
 
 @pytest.mark.gpu

@@ -63,6 +63,7 @@ from deepinfer_runtime.models.layers import (
     MhcBlock,
     Norm,
     SharedExpert,
+    attention_rotated_back,
     draft_block_inputs,
     draft_block_key_ids,
     embed_streams,
@@ -249,6 +250,10 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Attention outputs o [T, H, D] at ``pos`` -> [T, d]: inverse RoPE, grouped wo_a, wo_b."""
         o = rope_interleaved(o, pos, self.inv_freq, inverse=True, out=o)  # o is the attention's fresh output
+        return self.project_out(o)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention outputs o [T, H, D], already rotated back -> [T, d]: grouped wo_a, wo_b."""
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
 
@@ -355,8 +360,8 @@ class Attention(nn.Module):
             kv_all, idx = table, win_ids
         else:
             kv_all = (table, batch.kv[key].flat)  # the entries are read in place, from the pool
-        o = sparse_mqa_attention(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5)
-        return self.output(o, pos)
+        o = attention_rotated_back(q, kv_all, idx, self.attn_sink, self.head_dim**-0.5, pos, self.inv_freq)
+        return self.project_out(o)
 
 
 class Gate(nn.Module):

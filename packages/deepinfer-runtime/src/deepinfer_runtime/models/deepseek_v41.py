@@ -52,7 +52,6 @@ from deepinfer_kernels import (
     moe_route_topk,
     rope_interleaved,
     rope_inv_freq,
-    sparse_mqa_attention,
 )
 from deepinfer_kernels.ops.engram import engram_multipliers
 from torch import nn
@@ -69,6 +68,7 @@ from deepinfer_runtime.models.layers import (
     MhcBlock,
     Norm,
     SharedExpert,
+    attention_rotated_back,
     draft_block_inputs,
     draft_block_key_ids,
     embed_streams,
@@ -494,8 +494,7 @@ class Attention(nn.Module):
     def attend_rows(self, q, kv, idx, pos) -> torch.Tensor:
         """``attend`` over the rows ``idx`` [S, K] int64 (-1: none) of ``kv`` (one tensor, or two segments read as
         one row table, as ``sparse_mqa_attention`` takes them) -> [S, d]."""
-        o = sparse_mqa_attention(q, kv, idx, self.attn_sink, self.head_dim**-0.5)
-        o = rope_interleaved(o, pos, self.inv_freq, inverse=True, out=o)  # o is the attention's fresh output
+        o = attention_rotated_back(q, kv, idx, self.attn_sink, self.head_dim**-0.5, pos, self.inv_freq)
         o = grouped_linear(o.reshape(o.shape[0], self.cfg.o_groups, -1), self.wo_a.weight)
         return self.wo_b(o.flatten(1))
 

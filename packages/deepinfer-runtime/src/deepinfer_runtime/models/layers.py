@@ -30,6 +30,8 @@ from deepinfer_kernels import (
     moe_experts,
     rms_norm,
     rms_norm_rope,
+    rope_interleaved,
+    sparse_mqa_attention,
     swiglu_mlp,
 )
 from torch import nn
@@ -250,6 +252,24 @@ class SharedExpert(nn.Module):
             Linear(hidden, inter, dtype),
             Linear(inter, hidden, dtype),
         )
+
+
+# The attention output's inverse RoPE made by the kernel that stores the output (``sparse_mqa_attention``'s
+# ``out_rope``: the same bits, a launch fewer on each attention site's chain) instead of by a launch of its own after
+# it. Off until measured in whole steps (session 24 had no device time left): ``benchmarks/ab_slice.py --variant base
+# --variant "fused;deepinfer_runtime.models.layers.FUSED_OUT_ROPE=True"`` after its GPU tests
+# (``test_sparse_mqa_attention_triton.py -k out_rope``, ``test_decode_batch.py -k out_rope``).
+FUSED_OUT_ROPE = False
+
+
+def attention_rotated_back(q, kv, indices, sinks, scale, positions, inv_freq) -> torch.Tensor:
+    """DeepSeek V4's attention core: ``sparse_mqa_attention`` (q [T, H, D], kv rows or two segments, indices [T, K],
+    sinks [H], scale), then the inverse RoPE of each head's trailing channels at ``positions`` [T] (``inv_freq``
+    [R/2]): [T, H, D] in q.dtype, what the grouped output projection reads."""
+    if FUSED_OUT_ROPE:
+        return sparse_mqa_attention(q, kv, indices, sinks, scale, out_rope=(positions, inv_freq))
+    o = sparse_mqa_attention(q, kv, indices, sinks, scale)
+    return rope_interleaved(o, positions, inv_freq, inverse=True, out=o)  # o is the attention's fresh output
 
 
 def routed_plus_shared(

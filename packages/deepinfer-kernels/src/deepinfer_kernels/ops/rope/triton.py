@@ -60,6 +60,37 @@ def rotate_pairs(a, b, cos, sin):
 
 
 @triton.jit
+def rope_tail_rows(
+    v, pos, freq_ptr, D, HALF, INVERSE: tl.constexpr, LIBDEVICE: tl.constexpr, M: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """For another kernel's epilogue: rows v [M, BLOCK_D] fp32 of D channels (D - 2 * HALF even), all at position
+    ``pos`` (a scalar), with their trailing 2 * HALF channels rotated as ``_rope_kernel`` rotates them (the same
+    angle, cos / sin and order of operations, each product and sum rounded on its own: ``mul_rn`` / ``add_rn`` /
+    ``sub_rn`` where the caller compiles with FMA contraction; the interpreter's plain ops contract nothing) and the
+    others unchanged."""
+    a, b = tl.split(tl.reshape(v, [M, BLOCK_D // 2, 2]))
+    j = tl.arange(0, BLOCK_D // 2) - (D - 2 * HALF) // 2  # pair index within the rotated tail
+    tail = (j >= 0) & (j < HALF)
+    inv = tl.load(freq_ptr + j, mask=tail, other=0.0)
+    angle = pos.to(tl.float32) * inv
+    if LIBDEVICE:  # one rounded product, never contracted into what reads it
+        angle = libdevice.mul_rn(tl.broadcast_to(pos.to(tl.float32), inv.shape), inv)
+    cos, sin = rope_cos_sin(angle, LIBDEVICE)
+    if INVERSE:
+        sin = -sin
+    cos = cos[None, :]
+    sin = sin[None, :]
+    if LIBDEVICE:
+        ra = libdevice.sub_rn(libdevice.mul_rn(a, cos), libdevice.mul_rn(b, sin))
+        rb = libdevice.add_rn(libdevice.mul_rn(b, cos), libdevice.mul_rn(a, sin))
+    else:
+        ra = a * cos - b * sin
+        rb = b * cos + a * sin
+    keep = tail[None, :]
+    return tl.reshape(tl.join(tl.where(keep, ra, a), tl.where(keep, rb, b)), [M, BLOCK_D])
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, y_ptr,
     T, H, D, HALF, x_stride_t, x_stride_h, y_stride_t, y_stride_h,

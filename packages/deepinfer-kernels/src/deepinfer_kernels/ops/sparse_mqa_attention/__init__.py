@@ -2,7 +2,8 @@
 
 import torch
 
-from deepinfer_kernels.registry import dispatch
+from deepinfer_kernels.ops.rope import rope_interleaved
+from deepinfer_kernels.registry import resolve
 
 from . import reference as _reference  # noqa: F401  (registers the reference)
 
@@ -13,6 +14,8 @@ def sparse_mqa_attention(
     indices: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
+    *,
+    out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """o[t, h] = sum_k p[t, h, k] * kv[indices[t, k]], with
     p[t, h, k] = exp(s - m) / (sum_k' exp(s' - m) + exp(sink[h] - m)), s = scale * q[t, h] . kv[indices[t, k]]
@@ -30,6 +33,10 @@ def sparse_mqa_attention(
         indices: [T, K] int64 rows of ``kv`` per query; -1 marks an unused slot. Order is free.
         sinks: [H] fp32 per-head sink logits.
         scale: softmax scale (D^-0.5 for DeepSeek V4).
+        out_rope: optional (positions [T] int, inv_freq [R/2] fp32, R <= D, D - R even): the output is then
+            ``rope_interleaved(o, positions, inv_freq, inverse=True)``, its trailing R channels of every head rotated
+            back (DeepSeek V4's attention output), bitwise that op on the output. Backends that fuse it (the Triton
+            ones: in the kernel that stores the output) take it; after the others the op runs on their output.
 
     Returns:
         [T, H, D] in q.dtype, computed in fp32. A row whose indices are all -1 gives zeros.
@@ -50,7 +57,21 @@ def sparse_mqa_attention(
             f"sparse_mqa_attention: inconsistent shapes q {tuple(q.shape)}, kv {[tuple(s.shape) for s in segments]} "
             f"({[s.dtype for s in segments]}), indices {tuple(indices.shape)}, sinks {tuple(sinks.shape)}"
         )
-    return dispatch("sparse_mqa_attention", q.device, q, segments if len(segments) > 1 else kv, indices, sinks, scale)
+    fn = resolve("sparse_mqa_attention", q.device)
+    args = (q, segments if len(segments) > 1 else kv, indices, sinks, scale)
+    if out_rope is None:
+        return fn(*args)
+    positions, inv_freq = out_rope
+    d, half = q.shape[-1], inv_freq.shape[-1]
+    if positions.shape != q.shape[:1] or inv_freq.dim() != 1 or 2 * half > d or (d - 2 * half) % 2:
+        raise ValueError(
+            f"sparse_mqa_attention: out_rope wants positions [T={q.shape[0]}] and inv_freq [R/2] with R <= D = {d}, "
+            f"D - R even; got {tuple(positions.shape)}, {tuple(inv_freq.shape)}"
+        )
+    if getattr(fn, "fuses_out_rope", False):
+        return fn(*args, out_rope=out_rope)
+    out = fn(*args)
+    return rope_interleaved(out, positions, inv_freq, inverse=True, out=out)
 
 
 try:  # the Triton backend registers itself on import; triton is optional (CPU-only installs have none)

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_kernels.ops._triton_launch import pdl_options, triton_cuda_available
+from deepinfer_kernels.ops.rope import rope_interleaved
 from deepinfer_kernels.registry import register_backend
 
 from .triton import prepare_call, sparse_mqa_attention_triton_adaptive
@@ -208,15 +209,21 @@ def launch_wide(
 WIDE_MIN_ROWS = 64  # queries from which the wide kernel takes a call (fewer leave most SMs idle at 64 heads a program)
 
 
-def sparse_mqa_attention_gluon_adaptive(q, kv, indices, sinks, scale):
+def sparse_mqa_attention_gluon_adaptive(q, kv, indices, sinks, scale, out_rope=None):
     """``triton_adaptive``, with the calls of at least WIDE_MIN_ROWS queries that ``serves`` accepts on the wide
     kernel. The default on Hopper (above ``triton_adaptive``): at 256 decode queries x 640 entries 92 against 131 us,
     at 64 x 640 (32K) 42 against 50 us, at an 8K prefill 2.55 against 3.27 ms (H200, ``--wide``). Not
-    batch-invariant (the Triton tiles below)."""
+    batch-invariant (the Triton tiles below). ``out_rope``: fused in the Triton kernels, after the wide one."""
     segments = list(kv) if isinstance(kv, (tuple, list)) else [kv]
     if q.shape[0] >= WIDE_MIN_ROWS and serves(q, segments):
-        return launch_wide(q, kv, indices, sinks, scale)
-    return sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale)
+        out = launch_wide(q, kv, indices, sinks, scale)
+        if out_rope is not None:
+            out = rope_interleaved(out, *out_rope, inverse=True, out=out)
+        return out
+    return sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale, out_rope)
+
+
+sparse_mqa_attention_gluon_adaptive.fuses_out_rope = True  # takes out_rope (see sparse_mqa_attention's front end)
 
 
 def _hopper() -> bool:

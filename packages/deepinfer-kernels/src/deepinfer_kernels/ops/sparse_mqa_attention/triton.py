@@ -14,6 +14,12 @@ split: adds the sink, normalises, writes q.dtype) or writes the unnormalised fp3
 (acc [D], running max m, running sum l) per (token, head, split) for ``_attn_combine``, which folds
 the splits in split order and adds the sink.
 
+With ``out_rope`` (positions, inv_freq) the kernel that stores a row (``_attn_partial`` with one split,
+``_attn_combine`` otherwise) rounds it to the output dtype, rotates back its trailing R channels as
+``rope_interleaved(inverse=True)`` would (``rope.triton.rope_tail_rows``: the same angle, libdevice cos / sin and
+products rounded one by one, compiled without flush-to-zero) and stores that: the bits of the RoPE kernel run on
+the output, without its launch.
+
 Invariance: a row's arithmetic depends only on its own q / index list, the split size and the tile
 constants, never on T. Backend ``triton`` (batch_invariant=True) always splits the list every
 ``INVARIANT_SPLIT`` entries. Backend ``triton_adaptive`` (faster, not invariant) splits only when
@@ -33,6 +39,7 @@ from deepinfer_kernels.ops._triton_launch import (
     sm_count,
     triton_cuda_available,
 )
+from deepinfer_kernels.ops.rope.triton import rope_tail_rows
 from deepinfer_kernels.registry import register_backend
 
 INVARIANT_SPLIT = 256  # entries per split of the invariant backend (V4.1: 640 entries -> 3 splits)
@@ -42,11 +49,12 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 @triton.jit
 def _attn_partial(
-    q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
-    H, D, K, N1, n_splits, scale,
+    q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr, pos_ptr, freq_ptr,
+    H, D, K, N1, n_splits, scale, HALF,
     q_st, q_sh, kv_s, kv2_s, idx_st, o_st, o_sh,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, TWO: tl.constexpr, ROPE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -90,7 +98,10 @@ def _attn_partial(
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
         top = tl.maximum(m, sink)
         a = tl.exp(m - top)
-        o = acc * (a / (l * a + tl.exp(sink - top)))[:, None]
+        o = (acc * (a / (l * a + tl.exp(sink - top)))[:, None]).to(o_ptr.dtype.element_ty)
+        if ROPE:  # the stored rows, inverse-rotated as rope_interleaved would rotate them
+            pos = tl.load(pos_ptr + t)
+            o = rope_tail_rows(o.to(tl.float32), pos, freq_ptr, D, HALF, True, LIBDEVICE, BLOCK_H, BLOCK_D)
         tl.store(
             o_ptr + t * o_st + heads[:, None] * o_sh + d[None, :],
             o.to(o_ptr.dtype.element_ty),
@@ -105,7 +116,8 @@ def _attn_partial(
 
 @triton.jit
 def _attn_combine(
-    acc_ptr, ml_ptr, sink_ptr, o_ptr, H, D, n_splits, o_st, o_sh, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
+    acc_ptr, ml_ptr, sink_ptr, o_ptr, pos_ptr, freq_ptr, H, D, n_splits, o_st, o_sh, HALF, BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -123,7 +135,13 @@ def _attn_combine(
         w = tl.exp(tl.load(ml_ptr + (base + sp) * 2) - top)
         denom += tl.load(ml_ptr + (base + sp) * 2 + 1) * w
         o += tl.load(acc_ptr + (base + sp) * D + d, mask=d_ok, other=0.0) * w
-    tl.store(o_ptr + t * o_st + h * o_sh + d, (o / denom).to(o_ptr.dtype.element_ty), mask=d_ok)
+    o = (o / denom).to(o_ptr.dtype.element_ty)
+    if ROPE:  # the stored row, inverse-rotated as rope_interleaved would rotate it
+        pos = tl.load(pos_ptr + t)
+        o = tl.reshape(
+            rope_tail_rows(o.to(tl.float32)[None, :], pos, freq_ptr, D, HALF, True, LIBDEVICE, 1, BLOCK_D), [BLOCK_D]
+        )
+    tl.store(o_ptr + t * o_st + h * o_sh + d, o.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def prepare_call(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Tensor) -> tuple:
@@ -148,11 +166,14 @@ def prepare_call(q: torch.Tensor, kv, indices: torch.Tensor, sinks: torch.Tensor
 def launch(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float, *,
     split: int | None, block_h: int = 32, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
+    out_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run the kernels. ``split``: entries per split (a multiple of ``block_n``), or None for one pass
-    per row. The tile arguments are exposed for the benchmark's sweep; the backends fix them."""
+    per row. The tile arguments are exposed for the benchmark's sweep; the backends fix them. ``out_rope``
+    (positions [T], inv_freq [R/2]): the output rows inverse-rotated in the kernel that stores them (the op's
+    contract)."""
     q, segments, indices, sinks, out, done = prepare_call(q, kv, indices, sinks)
-    if done:
+    if done:  # empty, or zeros (which rotate to zeros)
         return out
     t, h, d = q.shape
     k = indices.shape[1]
@@ -172,21 +193,28 @@ def launch(
     if not final:
         acc = torch.empty(rows, h, n_splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(rows, h, n_splits, 2, dtype=torch.float32, device=q.device)
+    pos = freq = sinks  # dummies without out_rope
+    half = 0
+    if out_rope is not None:
+        pos, freq = out_rope[0].contiguous(), out_rope[1].to(device=q.device, dtype=torch.float32).contiguous()
+        half = freq.shape[0]
+    # libdevice's non-flush-to-zero cos / sin / rn ops, as the RoPE kernel compiles them (only RoPE calls libdevice)
+    rope = dict(ROPE=half > 0, LIBDEVICE=not interpreting(), **({"enable_reflect_ftz": False} if half else {}))
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
-        qc, ic, oc = q[r0:r1], indices[r0:r1], out[r0:r1]
+        qc, ic, oc, pc = q[r0:r1], indices[r0:r1], out[r0:r1], pos[r0:r1] if half else pos
         grid = (r1 - r0, triton.cdiv(h, block_h), n_splits)
         _attn_partial[grid](
-            qc, kv, kv2, ic, sinks, oc, acc, ml, h, d, k, kv.shape[0], n_splits, float(scale),
+            qc, kv, kv2, ic, sinks, oc, acc, ml, pc, freq, h, d, k, kv.shape[0], n_splits, float(scale), half,
             qc.stride(0), qc.stride(1), kv.stride(0), kv2.stride(0), ic.stride(0), oc.stride(0), oc.stride(1),
             SPLIT=span, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, FINAL=final, DOT_PREC=prec,
-            UPCAST=interpreting() and prec != "ieee", TWO=len(segments) == 2,
+            UPCAST=interpreting() and prec != "ieee", TWO=len(segments) == 2, **rope,
             num_warps=num_warps, num_stages=num_stages, **pdl_options(qc.device),
         )  # fmt: skip
         if not final:
             _attn_combine[(r1 - r0, h)](
-                acc, ml, sinks, oc, h, d, n_splits, oc.stride(0), oc.stride(1), BLOCK_D=block_d, num_warps=4,
-                **pdl_options(acc.device),
+                acc, ml, sinks, oc, pc, freq, h, d, n_splits, oc.stride(0), oc.stride(1), half, BLOCK_D=block_d,
+                **rope, num_warps=4, **pdl_options(acc.device),
             )  # fmt: skip
     return out
 
@@ -201,16 +229,17 @@ DECODE_TILE = (32, 64, 8, 2)
 WIDE_TILE = (64, 64, 8, 1)
 
 
-def _run(q, kv, indices, sinks, scale, split, tile):
+def _run(q, kv, indices, sinks, scale, split, tile, out_rope=None):
     block_h, block_n, warps, stages = tile
     return launch(
-        q, kv, indices, sinks, scale, split=split, block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages
-    )
+        q, kv, indices, sinks, scale, split=split, block_h=block_h, block_n=block_n, num_warps=warps,
+        num_stages=stages, out_rope=out_rope,
+    )  # fmt: skip
 
 
-def sparse_mqa_attention_triton(q, kv, indices, sinks, scale):
+def sparse_mqa_attention_triton(q, kv, indices, sinks, scale, out_rope=None):
     """Batch-invariant: always the same split of the index list and the same tiles, whatever T is."""
-    return _run(q, kv, indices, sinks, scale, INVARIANT_SPLIT, INVARIANT_TILE)
+    return _run(q, kv, indices, sinks, scale, INVARIANT_SPLIT, INVARIANT_TILE, out_rope)
 
 
 # Small decode batches: the rows alone leave most SMs idle, so the index list is split finer and fewer heads share a
@@ -242,18 +271,24 @@ def decode_tile(t: int, h: int, k: int) -> tuple[int | None, tuple[int, int, int
     return split, (bh, 64, 8 if bh >= 64 else 4, 1)
 
 
-def sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale):
+def sparse_mqa_attention_triton_adaptive(q, kv, indices, sinks, scale, out_rope=None):
     """Finer splits and fewer heads a program while the rows leave most SMs idle (small decode batches,
     ``decode_tile``); one pass per row from about batch 64; all heads in one program once the rows fill the SMs
     (prefill, large decode batches). Not batch-invariant: a row's bits depend on T through these choices."""
     t, h = q.shape[0], q.shape[1]
     sms = sm_count(q.device)
     if t >= sms:
-        return _run(q, kv, indices, sinks, scale, None, WIDE_TILE)
+        return _run(q, kv, indices, sinks, scale, None, WIDE_TILE, out_rope)
     if 2 * t * triton.cdiv(h, DECODE_TILE[0]) >= sms:  # H200 sweep: one pass wins from about batch 64
-        return _run(q, kv, indices, sinks, scale, None, DECODE_TILE)
+        return _run(q, kv, indices, sinks, scale, None, DECODE_TILE, out_rope)
     split, tile = decode_tile(t, h, indices.shape[1])
-    return _run(q, kv, indices, sinks, scale, split, tile)
+    return _run(q, kv, indices, sinks, scale, split, tile, out_rope)
+
+
+# both take ``out_rope`` (the op's front end passes it to a backend that has this attribute, else rotates after it;
+# the Gluon backend has it too, through these)
+sparse_mqa_attention_triton.fuses_out_rope = True
+sparse_mqa_attention_triton_adaptive.fuses_out_rope = True
 
 
 register_backend(
