@@ -124,10 +124,24 @@ def _cold_tilings(rec, ceil, where: str, k: int, tilings, call, want: list, copi
             continue
         us = _rotating_us(lambda ws, cfg=cfg: call(ws, cfg), copies)
         label = f"bn{bn} bk{bk} ks{cfg.k_split}x{cfg.split} w{warps} s{stages}"
-        pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+        pct = _pct_copy(nbytes, us, ceil)
         rec.add(**meta, candidate=i, tiling=label, us=us, pct_copy=pct)
         cells.append((us, label, pct))
     return cells
+
+
+def _pct_copy(nbytes: int, us: float, ceil) -> float:
+    return 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+
+
+def _report_cold(rec, ceil, where: str, nbytes: int, default: float, cells: list, tail: str, **meta) -> None:
+    """Record the default dispatch's ``default`` us (``meta``: the row's keys), print it against the copy ceiling
+    with ``tail``, then the four fastest of ``cells`` (``_cold_tilings``)."""
+    rec.add(**meta, candidate="default", us=default)
+    pct = _pct_copy(nbytes, default, ceil)
+    print(f"  {where} {nbytes / 2**20:5.1f} MiB  default {default:6.2f} us ({pct:4.1f}%){tail}")
+    for us, label, pct in sorted(cells)[:4]:
+        print(f"      {label:28s} {us:6.2f} us {pct:5.1f}%")
 
 
 def decode_cold_table(rec, ceil) -> None:
@@ -152,14 +166,10 @@ def decode_cold_table(rec, ceil) -> None:
                 lambda w, cfg, x=x, out=out: linear_skinny(x, w, out, cfg=cfg), [ref], copies, nbytes,
                 kind="decode_cold", shape=name, N=n, K=k, M=m,
             )  # fmt: skip
-            rec.add(kind="decode_cold", shape=name, N=n, K=k, M=m, candidate="default", us=default, cublas_us=cublas)
-            pct = 100 * nbytes / default / 1e3 / ceil["copy_GBps"]
-            print(
-                f"  {name:20s} M={m} {nbytes / 2**20:5.1f} MiB  default {default:6.2f} us ({pct:4.1f}%)"
-                f"  cuBLAS {cublas:6.2f}"
-            )
-            for us, label, pct in sorted(cells)[:4]:
-                print(f"      {label:28s} {us:6.2f} us {pct:5.1f}%")
+            _report_cold(
+                rec, ceil, f"{name:20s} M={m}", nbytes, default, cells, f"  cuBLAS {cublas:6.2f}",
+                kind="decode_cold", shape=name, N=n, K=k, M=m, cublas_us=cublas,
+            )  # fmt: skip
         del copies
 
 
@@ -332,15 +342,11 @@ def many_cold_table(rec, ceil) -> None:
                 lambda ws, cfg, x=x, dts=dts: linear_many_skinny(x, ws, dts, cfg=cfg), want, sets, nbytes,
                 kind="many_cold", set=name, M=m,
             )  # fmt: skip
-            rec.add(kind="many_cold", set=name, M=m, candidate="default", us=default)
             best = min(cells)
-            pct = 100 * nbytes / default / 1e3 / ceil["copy_GBps"]
-            print(
-                f"  {name:20s} M={m} {nbytes / 2**20:5.1f} MiB  default {default:6.2f} us ({pct:4.1f}%)"
-                f"  best {best[1]:28s} {best[0]:6.2f} us ({best[2]:4.1f}%)"
-            )
-            for us, label, pct in sorted(cells)[:4]:
-                print(f"      {label:28s} {us:6.2f} us {pct:5.1f}%")
+            _report_cold(
+                rec, ceil, f"{name:20s} M={m}", nbytes, default, cells,
+                f"  best {best[1]:28s} {best[0]:6.2f} us ({best[2]:4.1f}%)", kind="many_cold", set=name, M=m,
+            )  # fmt: skip
         del sets
 
 
