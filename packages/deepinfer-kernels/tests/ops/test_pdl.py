@@ -68,7 +68,7 @@ def test_gpu_chain_bitwise_with_and_without(monkeypatch, rows):
 def _stream_chain(x, w_norm, pairs):
     """Weight streams in a dependent chain: [rows, 2048] -> [rows, 16384] (one K split, 4 stages) -> [rows, 2048]
     (narrow at 1-2 rows, cuBLAS above) -> RMSNorm, and a [rows, 8192] x [4096, 8192]^T stream of 4 K splits (the
-    last program adds the partials). Each stream loads its first weight tile before it waits."""
+    last program adds the partials)."""
     for up, down, wide in pairs:
         x = rms_norm(linear(linear(x, up), down), w_norm, 1e-6)
         y = linear(torch.cat([x, x, x, x], dim=-1), wide)
