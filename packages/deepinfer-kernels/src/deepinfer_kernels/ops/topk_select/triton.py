@@ -488,7 +488,7 @@ def topk_select_triton(
     grid = None
     if n >= grid_min and grid_chunk != 0:
         grid = grid_plan(n, s, sm_count(scores.device), grid_chunk)
-    split = split_config(n, width, chunk) if n > block_row_max and s <= COUNTERS else None
+    split = split_config(n, width, chunk) if grid is None and n > block_row_max and s <= COUNTERS else None
     if split is not None and s * split[0] > split_programs:
         split = None
     if grid is not None:
