@@ -21,6 +21,7 @@ from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_scores_paged, indexer_topk
 from deepinfer_kernels.ops.kv_compress import kv_compress_pool, kv_compress_pool_rows, overlap_windows
+from deepinfer_kernels.ops.l2_prefetch import l2_prefetch
 from deepinfer_kernels.ops.linear import ROW_TILE, linear
 from deepinfer_kernels.ops.linear_many import linear_many
 from deepinfer_kernels.ops.mhc import (
@@ -125,6 +126,7 @@ __all__ = [
     "engram_next_history",
     "engram_rows_in_place",
     "engram_table_primes",
+    "l2_prefetch",
     "linear",
     "linear_many",
     "ROW_TILE",
