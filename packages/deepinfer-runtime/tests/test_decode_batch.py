@@ -120,45 +120,9 @@ def test_v41_without_candidate_lane_cpu(dirs, monkeypatch):
     _check("v4.1", dirs, "cpu", torch.float32, monkeypatch)
 
 
-@pytest.mark.gpu
-def test_v41_candidate_lane_cuda(dirs, monkeypatch):
-    """The candidate lane on a GPU: planned steps with it, eagerly and replayed from whole-step graphs (the lane forks
-    from the index lane and rejoins the main path at the step's end), equal the planned steps without it, bitwise."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    model = load_model(dirs["v4.1"], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS["v4.1"])
-    model.enable_cuda_graphs(max_tokens=8)
-
-    def eager():
-        with monkeypatch.context() as m:  # the same plans (padded, bucketed), every step run eagerly
-            m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
-            return _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES["v4.1"]))[0]
-
-    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", False)
-    without = eager()
-    monkeypatch.setattr(deepseek_v41, "CANDIDATE_LANE", True)
-    lane = eager()
-    assert len(model.step_graphs) == 0
-    graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES["v4.1"]))
-    assert len(model.step_graphs) >= 1
-    for step, (a, b, c) in enumerate(zip(without, lane, graphed)):
-        assert torch.equal(a, b), f"eager step {step}: the lane changes the logits by {(a - b).abs().max().item()}"
-        assert torch.equal(a, c), f"graph step {step}: the lane changes the logits by {(a - c).abs().max().item()}"
-
-
-@pytest.mark.parametrize("arch", ["v4", "v4.1"])
-def test_fused_out_rope_cpu(arch, dirs, monkeypatch):
-    """``layers.FUSED_OUT_ROPE``: the attention's inverse RoPE asked of the attention op (on the CPU its reference
-    then rotates the output: this checks the plumbing; the GPU test below the fused kernels)."""
-    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", True)
-    _check(arch, dirs, "cpu", torch.float32, monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["v4", "v4.1"])
-def test_fused_out_rope_cuda(arch, dirs, monkeypatch):
-    """The inverse RoPE in the attention kernels' epilogue: planned steps with it, eagerly and replayed from
-    whole-step graphs, equal the steps with the RoPE's own launch, bitwise."""
+def _toggle_keeps_the_bits(arch, dirs, monkeypatch, toggle, what: str) -> None:
+    """Planned steps with ``toggle(m, True)`` (m: a monkeypatch), eagerly and replayed from whole-step graphs, equal
+    the planned steps with ``toggle(m, False)``, bitwise (the tiny checkpoint in bf16 on CUDA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = load_model(dirs[arch], dtype=torch.bfloat16, device="cuda", progress=False, **OPTIONS[arch])
@@ -169,15 +133,51 @@ def test_fused_out_rope_cuda(arch, dirs, monkeypatch):
             m.setattr(StepGraphs, "run", lambda self, key, fn, *inputs: fn(*inputs))
             return _decode(model, "cuda", shared=True, paged=True, spy=_Spy(m, *SPIES[arch]))[0]
 
-    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", False)
+    toggle(monkeypatch, False)
     without = eager()
-    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", True)
-    fused = eager()
+    toggle(monkeypatch, True)
+    with_it = eager()
+    assert len(model.step_graphs) == 0
     graphed, _ = _decode(model, "cuda", shared=True, paged=True, spy=_Spy(monkeypatch, *SPIES[arch]))
     assert len(model.step_graphs) >= 1
-    for step, (a, b, c) in enumerate(zip(without, fused, graphed)):
-        assert torch.equal(a, b), f"eager step {step}: the fusion changes the logits by {(a - b).abs().max().item()}"
-        assert torch.equal(a, c), f"graph step {step}: the fusion changes the logits by {(a - c).abs().max().item()}"
+    for step, (a, b, c) in enumerate(zip(without, with_it, graphed)):
+        assert torch.equal(a, b), f"eager step {step}: {what} changes the logits by {(a - b).abs().max().item()}"
+        assert torch.equal(a, c), f"graph step {step}: {what} changes the logits by {(a - c).abs().max().item()}"
+
+
+@pytest.mark.gpu
+def test_v41_candidate_lane_cuda(dirs, monkeypatch):
+    """The candidate lane on a GPU: planned steps with it, eagerly and replayed from whole-step graphs (the lane forks
+    from the index lane and rejoins the main path at the step's end), equal the planned steps without it, bitwise."""
+    toggle = lambda m, on: m.setattr(deepseek_v41, "CANDIDATE_LANE", on)  # noqa: E731
+    _toggle_keeps_the_bits("v4.1", dirs, monkeypatch, toggle, "the lane")
+
+
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_fused_out_rope_cpu(arch, dirs, monkeypatch):
+    """``layers.FUSED_OUT_ROPE`` off: the attention's inverse RoPE as a launch of its own (on by default, where the
+    CPU's attention reference rotates its output; the GPU test below checks the fused kernels)."""
+    monkeypatch.setattr(layers, "FUSED_OUT_ROPE", False)
+    _check(arch, dirs, "cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_fused_out_rope_cuda(arch, dirs, monkeypatch):
+    """The inverse RoPE in the attention kernels' epilogue: planned steps with it, eagerly and replayed from
+    whole-step graphs, equal the steps with the RoPE's own launch, bitwise."""
+    toggle = lambda m, on: m.setattr(layers, "FUSED_OUT_ROPE", on)  # noqa: E731
+    _toggle_keeps_the_bits(arch, dirs, monkeypatch, toggle, "the fusion")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v4.1"])
+def test_index_lane_first_cuda(arch, dirs, monkeypatch):
+    """The index layers' q up-projection launched without programmatic dependent launch (``INDEX_LANE_FIRST``):
+    planned steps, eagerly and replayed from whole-step graphs, equal the steps with it, bitwise."""
+    module = deepseek_v4 if arch == "v4" else deepseek_v41
+    toggle = lambda m, on: m.setattr(module, "INDEX_LANE_FIRST", on)  # noqa: E731
+    _toggle_keeps_the_bits(arch, dirs, monkeypatch, toggle, "the launch order")
 
 
 @pytest.mark.gpu

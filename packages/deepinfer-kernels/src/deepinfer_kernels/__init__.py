@@ -4,6 +4,7 @@ reference that defines correct, plus GPU backends chosen through ``registry``.
 The op index (one import per public op):
 """
 
+from deepinfer_kernels.ops._triton_launch import without_early_launch
 from deepinfer_kernels.ops.cache_rows import gather_rows, paged_rows, ring_rows, ring_scatter, scatter_rows
 from deepinfer_kernels.ops.engram import (
     compressed_token_map,
@@ -138,6 +139,7 @@ __all__ = [
     "mxfp4_grouped_gemm",
     "mxfp4_grouped_gemm_gather",
     "topk_select",
+    "without_early_launch",
 ]
 
 from deepinfer_kernels.ops.sampling import (  # noqa: E402

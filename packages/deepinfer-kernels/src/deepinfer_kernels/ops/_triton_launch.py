@@ -7,8 +7,10 @@ switched on later in a process: the tests run their interpreter cases in a child
 (``deepinfer_kernels.testing.triton_interpreter``).
 """
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -70,7 +72,30 @@ def pdl_options(device: torch.device) -> dict:
     crosses 250-500 boundaries. Numerics are unchanged."""
     if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0" or interpreting():
         return {}
-    return _pdl_options(device.index if device.index is not None else torch.cuda.current_device())
+    options = _pdl_options(device.index if device.index is not None else torch.cuda.current_device())
+    if _EARLY_LAUNCH_OFF[0] and options:
+        return {"PDL": True}  # the same binary, launched without the attribute: its wait is a no-op
+    return options
+
+
+_EARLY_LAUNCH_OFF = [0]
+
+
+@contextlib.contextmanager
+def without_early_launch() -> Iterator[None]:
+    """Kernels launched inside start only once the kernel before them in the stream has completed (no programmatic
+    dependent launch attribute; the same compiled kernels, the same bits).
+
+    What this is for: a PDL launch makes the kernel's programs resident while its predecessor still runs, and a
+    weight stream's programs then hold every SM. A short kernel on another lane that becomes ready at the same
+    moment (a decode step's index scores, forked from the same predecessor as the query's up-projection) finds no
+    SM free and waits for the whole stream: launched without the attribute, the stream becomes ready with it, and
+    the block scheduler serves the other lane's higher stream priority first."""
+    _EARLY_LAUNCH_OFF[0] += 1
+    try:
+        yield
+    finally:
+        _EARLY_LAUNCH_OFF[0] -= 1
 
 
 @functools.cache

@@ -16,6 +16,7 @@ compressors run per request on that request's ``SequenceCache``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -39,6 +40,7 @@ from deepinfer_kernels import (
     rope_interleaved,
     rope_inv_freq,
     sparse_mqa_attention,
+    without_early_launch,
 )
 from deepinfer_kernels.registry import batch_invariant
 from torch import nn
@@ -207,6 +209,13 @@ class Indexer(nn.Module):
         return [self.weights_proj, c.wkv, c.wgate], [None, f32, f32]
 
 
+# CSA decode: the q up-projection (a 67 MB weight stream) launched without programmatic dependent launch, so that
+# the index scores forked beside it get SMs first instead of waiting for the whole stream (``without_early_launch``).
+# The same bits. H200, pipelined ms, two alternating rounds in one lease (``benchmarks/ab_slice.py``, session 25):
+# batch 1 1.108 -> 1.107 (4K), 1.130 -> 1.129 (32K); batch 8 at 32K 2.252 -> 2.240.
+INDEX_LANE_FIRST = True
+
+
 class Attention(nn.Module):
     """Shared-KV MQA over a sliding window plus compressed entries, with sinks (section A.4)."""
 
@@ -238,9 +247,11 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x) if xa is None else xa)
         return qr, self.query_up(qr, pos)
 
-    def query_up(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """qr [T, q_lora_rank] -> post-RoPE queries [T, H, D]."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+    def query_up(self, qr: torch.Tensor, pos: torch.Tensor, early: bool = True) -> torch.Tensor:
+        """qr [T, q_lora_rank] -> post-RoPE queries [T, H, D]. ``early`` False: the up-projection is launched without
+        programmatic dependent launch (``without_early_launch``), for the index lane beside it to find SMs."""
+        with contextlib.nullcontext() if early else without_early_launch():
+            q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         return rms_norm_rope(q, None, self.cfg.rms_norm_eps, pos, self.inv_freq)  # per-head norm, then RoPE
 
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor, xkv=None) -> torch.Tensor:
@@ -351,7 +362,7 @@ class Attention(nn.Module):
                 picked = self.indexer.decode(weights, qi, batch, self.layer)
                 window.depend()  # its row ids
                 idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
-        q = self.query_up(qr, pos)
+        q = self.query_up(qr, pos, early=index is None or not INDEX_LANE_FIRST)
         comp.join()
         window.join()
         if index is not None:

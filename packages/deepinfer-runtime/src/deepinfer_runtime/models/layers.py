@@ -256,10 +256,9 @@ class SharedExpert(nn.Module):
 
 # The attention output's inverse RoPE made by the kernel that stores the output (``sparse_mqa_attention``'s
 # ``out_rope``: the same bits, a launch fewer on each attention site's chain) instead of by a launch of its own after
-# it. Off until measured in whole steps (session 24 had no device time left): ``benchmarks/ab_slice.py --variant base
-# --variant "fused;deepinfer_runtime.models.layers.FUSED_OUT_ROPE=True"`` after its GPU tests
-# (``test_sparse_mqa_attention_triton.py -k out_rope``, ``test_decode_batch.py -k out_rope``).
-FUSED_OUT_ROPE = False
+# it. H200, pipelined ms at 4K tokens, two alternating rounds in one lease (``benchmarks/ab_slice.py``, session 25):
+# V4 batch 1 1.098 -> 1.095, V4.1 2.316 -> 2.300 (round 2; round 1's base was an outlier), batch 8 unchanged.
+FUSED_OUT_ROPE = True
 
 
 def attention_rotated_back(q, kv, indices, sinks, scale, positions, inv_freq) -> torch.Tensor:
