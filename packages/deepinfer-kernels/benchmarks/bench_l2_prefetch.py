@@ -21,7 +21,7 @@ Writes ``benchmarks/results/bench_l2_prefetch.jsonl``; a table last.
 import argparse
 
 import torch
-from _bench_util import Recorder, copy_ceiling_gbs
+from _bench_util import Recorder, copy_ceiling_gbs, graph_us
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.l2_prefetch import l2_prefetch
 from deepinfer_kernels.ops.l2_prefetch import triton as backend
@@ -60,29 +60,8 @@ def prefetch(weights: list[torch.Tensor], budget: int, by_row: bool) -> None:
 
 
 def rep_us(body, flush) -> float:
-    """Device microseconds per repetition of [flush copy, body()] in a graph (median of 15 replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flush()
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            flush()
-            body()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPS)
-    return sorted(times)[len(times) // 2]
+    """Device microseconds per repetition of [flush copy, body()], REPS of them in a graph (``graph_us``)."""
+    return graph_us(lambda: (flush(), body()), REPS)
 
 
 def consumer_us(spin: int, weights, fn, budget: int, by_row: bool, flush, side, idle: float) -> float:

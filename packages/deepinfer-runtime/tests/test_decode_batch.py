@@ -155,8 +155,8 @@ def test_v41_candidate_lane_cuda(dirs, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["v4", "v4.1"])
 def test_fused_out_rope_cpu(arch, dirs, monkeypatch):
-    """``layers.FUSED_OUT_ROPE`` off: the attention's inverse RoPE as a launch of its own (on by default, where the
-    CPU's attention reference rotates its output; the GPU test below checks the fused kernels)."""
+    """``layers.FUSED_OUT_ROPE`` off: the attention output's inverse RoPE as a launch of its own. (On, the default,
+    the attention op makes it: on the CPU its reference rotates its output; the GPU test below checks the kernels.)"""
     monkeypatch.setattr(layers, "FUSED_OUT_ROPE", False)
     _check(arch, dirs, "cpu", torch.float32, monkeypatch)
 
