@@ -17,7 +17,7 @@ from deepinfer_kernels.ops._triton_launch import triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 CHUNK = 16384  # bytes per bulk prefetch
-ITEMS = 64  # bulk prefetches per program (two warps, one each per thread)
+ITEMS = 64  # bulk prefetches per program (two warps: one per thread)
 EVICT_LAST = False  # prefetch with an L2::evict_last cache policy instead of the default (evict_normal)
 
 _ASM_NORMAL = tl.constexpr("""{
