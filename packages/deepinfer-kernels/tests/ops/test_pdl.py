@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("triton")
 
 from deepinfer_kernels import linear, rms_norm, rope_interleaved, rope_inv_freq, topk_select  # noqa: E402
-from deepinfer_kernels.ops._triton_launch import PDL_ENV, pdl_options  # noqa: E402
+from deepinfer_kernels.ops import _triton_launch  # noqa: E402
+from deepinfer_kernels.ops._triton_launch import PDL_ENV, pdl_options, without_early_launch  # noqa: E402
 from deepinfer_kernels.testing.compare import assert_bitwise  # noqa: E402
 
 
@@ -17,6 +18,27 @@ def test_off_on_cpu_and_by_environment(monkeypatch):
     assert pdl_options(torch.device("cpu")) == {}
     monkeypatch.setenv(PDL_ENV, "0")
     assert pdl_options(torch.device("cuda", 0)) == {}  # read per launch: no CUDA query when switched off
+
+
+def test_without_early_launch_drops_only_the_attribute(monkeypatch):
+    """Inside ``without_early_launch()`` a Hopper launch keeps its kernel (PDL=True: the same binary) and loses the
+    launch attribute; nesting counts, ``active=False`` changes nothing, and leaving restores it. (The CUDA device
+    query is stubbed: only the option logic is under test.)"""
+    monkeypatch.setattr(_triton_launch, "_pdl_options", lambda index: {"PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(_triton_launch, "interpreting", lambda: False)
+    dev, on = torch.device("cuda", 0), {"PDL": True, "launch_pdl": True}
+    assert pdl_options(dev) == on
+    with without_early_launch():
+        assert pdl_options(dev) == {"PDL": True}
+        with without_early_launch(False):
+            assert pdl_options(dev) == {"PDL": True}
+        with without_early_launch():
+            assert pdl_options(dev) == {"PDL": True}
+        assert pdl_options(dev) == {"PDL": True}
+    with without_early_launch(False):
+        assert pdl_options(dev) == on
+    assert pdl_options(dev) == on
+    assert pdl_options(torch.device("cpu")) == {}
 
 
 def _chain(x, w_norm, weights, inv_freq, pos):

@@ -82,20 +82,21 @@ _EARLY_LAUNCH_OFF = [0]
 
 
 @contextlib.contextmanager
-def without_early_launch() -> Iterator[None]:
+def without_early_launch(active: bool = True) -> Iterator[None]:
     """Kernels launched inside start only once the kernel before them in the stream has completed (no programmatic
-    dependent launch attribute; the same compiled kernels, the same bits).
+    dependent launch attribute; the same compiled kernels, the same bits). ``active`` False: a no-op (for callers
+    that decide per call).
 
     What this is for: a PDL launch makes the kernel's programs resident while its predecessor still runs, and a
     weight stream's programs then hold every SM. A short kernel on another lane that becomes ready at the same
     moment (a decode step's index scores, forked from the same predecessor as the query's up-projection) finds no
     SM free and waits for the whole stream: launched without the attribute, the stream becomes ready with it, and
     the block scheduler serves the other lane's higher stream priority first."""
-    _EARLY_LAUNCH_OFF[0] += 1
+    _EARLY_LAUNCH_OFF[0] += int(active)
     try:
         yield
     finally:
-        _EARLY_LAUNCH_OFF[0] -= 1
+        _EARLY_LAUNCH_OFF[0] -= int(active)
 
 
 @functools.cache

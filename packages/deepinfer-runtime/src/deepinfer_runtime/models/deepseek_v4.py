@@ -16,7 +16,6 @@ compressors run per request on that request's ``SequenceCache``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -250,7 +249,7 @@ class Attention(nn.Module):
     def query_up(self, qr: torch.Tensor, pos: torch.Tensor, early: bool = True) -> torch.Tensor:
         """qr [T, q_lora_rank] -> post-RoPE queries [T, H, D]. ``early`` False: the up-projection is launched without
         programmatic dependent launch (``without_early_launch``), for the index lane beside it to find SMs."""
-        with contextlib.nullcontext() if early else without_early_launch():
+        with without_early_launch(not early):
             q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         return rms_norm_rope(q, None, self.cfg.rms_norm_eps, pos, self.inv_freq)  # per-head norm, then RoPE
 

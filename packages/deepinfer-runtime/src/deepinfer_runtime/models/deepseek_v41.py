@@ -430,7 +430,7 @@ class Attention(nn.Module):
     def query_up(self, qr: torch.Tensor, pos: torch.Tensor, early: bool = True) -> torch.Tensor:
         """qr [S, q_lora_rank] -> rotated queries [S, H, D]. ``early`` False: the up-projection is launched without
         programmatic dependent launch (``without_early_launch``), for the index lane beside it to find SMs."""
-        with contextlib.nullcontext() if early else without_early_launch():
+        with without_early_launch(not early):
             q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         return rope_interleaved(q, pos, self.inv_freq, out=q)  # in place: only the rotated channels move
 
