@@ -78,16 +78,18 @@ def prefill_record(tokens: int, seconds: float, flops: float, bf16_flops_per_s: 
     )
 
 
-def pipelined(fn, dev, reps: int) -> tuple[float, float]:
+def pipelined(fn, dev, reps: int) -> tuple[float, float, float]:
     """Seconds per call of calls launched back to back, one sync at the end: how an engine with asynchronous
     scheduling runs decode steps (the host plans step N + 1 while the device runs step N), so the time per step is
-    the larger of the host's and the device's, not their sum as in ``timed``. Returns (steady, wall):
+    the larger of the host's and the device's, not their sum as in ``timed``. Returns (steady, wall, host):
 
     * steady: on CUDA, device time from the end of a first call to the end of ``reps`` more (CUDA events in
       stream order); the device waits whenever the host falls behind, so a host-bound step shows. The first
       call is the pipeline's fill: nothing overlaps its host planning, once per run of steps, not per step.
     * wall: host clock over all ``reps + 1`` calls, the fill included (the measure before session 16: at V4 batch
       256 the fill, ~5 ms of host planning spread over 10 steps, added ~0.5 ms to each).
+    * host: host clock per call of the ``reps`` calls, without the final wait (a call never waits on the device):
+      at or above steady, the step is host-bound and steady measures the host's planning, not the kernels.
     """
     sync(dev)
     t = time.perf_counter()
@@ -101,10 +103,11 @@ def pipelined(fn, dev, reps: int) -> tuple[float, float]:
         fn()
     if cuda:
         last.record()
+    t2 = time.perf_counter()
     sync(dev)
     end = time.perf_counter()
     steady = first.elapsed_time(last) / 1e3 / reps if cuda else (end - t1) / reps
-    return steady, (end - t) / (reps + 1)
+    return steady, (end - t) / (reps + 1), (t2 - t1) / reps
 
 
 def timed(fn, dev, reps: int) -> list[float]:
@@ -497,7 +500,7 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
                 steps = timed(lambda c=caches, b=b: decode_step(model, c, rand_ids(b, dev, gen)), dev, args.steps)
                 # the same steps pipelined, the token ids drawn on the device (a host copy would wait for it)
                 dgen = torch.Generator(device=dev).manual_seed(b)
-                piped, piped_wall = pipelined(
+                piped, piped_wall, piped_host = pipelined(
                     lambda c=caches, b=b, g=dgen: decode_step(
                         model, c, torch.randint(3, 129000, (b,), generator=g, device=dev)
                     ),
@@ -521,6 +524,7 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
                 steps_ms=[x * 1e3 for x in steps],
                 pipelined_ms=piped * 1e3,
                 pipelined_wall_ms=piped_wall * 1e3,
+                pipelined_host_ms=piped_host * 1e3,  # >= pipelined_ms: host-bound (the plan, not the kernels)
                 tok_s=b / t,
                 experts_hit=hit,
                 experts_hit_draws=draws,
@@ -535,7 +539,8 @@ def bench_ours(model, arch, args, ceil, acct, deadline, results, label) -> None:
             rec["decode"].append(row)
             log(
                 f"{label} decode batch {b} x {ctx}: {t * 1e3:.1f} ms/step ({b / t:.0f} tok/s), pipelined "
-                f"{piped * 1e3:.1f} ms/step; floor "
+                f"{piped * 1e3:.2f} ms/step (host {piped_host * 1e3:.2f}"
+                f"{', host-bound' if piped_host >= piped else ''}); floor "
                 f"{row['floor_ms_as_run']:.3f} ms as run (bf16, {run['total'] / 1e9:.2f} GB) -> "
                 f"{row['ratio_as_run']:.1f}x, "
                 f"{row['floor_ms_released']:.3f} ms released format ({relb['total'] / 1e9:.2f} GB) -> "
@@ -929,6 +934,7 @@ def print_table(res: dict) -> None:
                     f"{r['pipelined_ms']:.2f}" if "pipelined_ms" in r else "-",
                     f"{r['ratio_pipelined_as_run']:.2f}x" if "pipelined_ms" in r else "-",
                 )
+                + (" host-bound" if r.get("pipelined_host_ms", 0) >= r.get("pipelined_ms", float("inf")) else "")
             )
     fmt = "{:<16} {:>5} {:>7} {:>9} {:>10} {:>11}"
     print(fmt.format("prefill", "batch", "tokens", "s", "tok/s", "% of floor"))
