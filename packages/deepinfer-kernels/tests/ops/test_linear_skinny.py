@@ -62,6 +62,7 @@ def _interp_stream_tiling(m: int, n: int, k: int, block_n: int, k_split: int) ->
 
 INTERP_CASES["stream-1x200x704"] = ("_interp_stream_tiling", (1, 200, 704, 128, 256))  # 3 splits, ragged N and K
 INTERP_CASES["stream-8x128x300"] = ("_interp_stream_tiling", (8, 128, 300, 64, 512))  # one split
+INTERP_CASES["short-stream-2x150x640"] = ("_interp_stream_tiling", (2, 150, 640, 64, 640))  # all of K, ragged N
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # every case in one TRITON_INTERPRET=1 child process
 
 
@@ -80,14 +81,19 @@ def test_config_and_what_it_serves():
     assert skinny.serves(2, 2304) and not skinny.serves(3, 2304) and not skinny.serves(1, 2305)
     assert skinny.serves(8, 32768, 1024) and skinny.serves(1, 5120, 8192) and not skinny.serves(9, 32768, 1024)
     assert not skinny.serves(8, 4096, 2048) and not skinny.serves(1, 32768)  # under 32 MB, or K unknown: cuBLAS
+    # short streams from a q_lora-rank input (the index query up-projections): 64-row blocks over all of K
+    assert skinny.serves(1, 8192, 1024) and skinny.serves(8, 4096, 1280) and not skinny.serves(9, 8192, 1024)
+    assert not skinny.serves(1, 4096, 1536) and not skinny.serves(1, 2560, 1024)  # K too long, or under 4M elements
+    assert skinny.skinny_config(8192, 1024) == T(64, 128, 1024, 1, 4, 4)
+    assert skinny.skinny_config(4096, 1280) == T(64, 128, 1280, 1, 4, 4)
 
 
 # ---- CUDA: the decode shapes it serves (V4: K 4096; V4.1: K 5120) ----
 
 SHAPES = [(4096, 1024), (4096, 512), (4096, 256), (4096, 64), (5120, 1280), (5120, 512), (5120, 384), (5120, 32)]
 WIDE = [(4096, 2048), (5120, 2304)]  # served at batch 1-2 only
-# weight streams: V4 / V4.1 q up-projections, output projections, V4.1's Engram values
-STREAMS = [(1024, 32768), (8192, 4096), (1280, 32768), (8192, 5120), (6144, 25600)]
+# weight streams: V4 / V4.1 q up-projections, output projections, V4.1's Engram values, the index q up-projections
+STREAMS = [(1024, 32768), (8192, 4096), (1280, 32768), (8192, 5120), (6144, 25600), (1024, 8192), (1280, 4096)]
 
 
 @pytest.mark.gpu

@@ -22,7 +22,9 @@ of at most 2048 columns, 4 warps, 4 stages with one split and 3 with several (ot
 some shape). The output projections gain most: [4096, 8192] 22.0 -> 19.1 us at M = 1 (3.5 TB/s), 22.0 -> 20.2 at M =
 8, [5120, 8192] 26.1 -> 23.4 / 26.9 -> 24.6 us; the q up-projections [32768, 1024 / 1280] and V4.1's Engram values
 [25600, 6144] 2-4% (cuBLAS streams them at 87-95% of copy already). Weights under 32 MB stay on cuBLAS: the [4096 /
-5120, 2048 / 2304] shared-expert down projections were 3-10% slower here. V4's grouped ``wo_a`` (8 x [1024, 4096]) as
+5120, 2048 / 2304] shared-expert down projections were 3-10% slower here; except the short streams from a q_lora-rank
+input (``SHORT_STREAM_*``: the index query up-projections), which one 64-row block over all of K a program reads
+faster. V4's grouped ``wo_a`` (8 x [1024, 4096]) as
 one stream matched cuBLAS's batched GEMM (18.4-19.0 against 18.8 us) and stays there.
 
 Deterministic (fixed split and summation order for a given shape) but not batch-invariant: a row's bits change
@@ -58,6 +60,10 @@ NARROW_WARPS, NARROW_STAGES = 4, 4  # of narrow_tiling (module globals, read per
 # projections and V4.1's Engram values, 67-315 MB) in STREAM_BLOCK_N-row blocks and K splits of up to STREAM_K_SPLIT
 STREAM_MIN_N, STREAM_MIN_ELEMS = SKINNY_WIDE_N + 1, 1 << 24
 STREAM_BLOCK_N, STREAM_K_SPLIT = 128, 2048
+# short streams: the index query up-projections ([8192, 1024] for V4, [4096, 1280] for V4.1: 10-16 MB of weight from
+# a q_lora-rank input) in 64-row blocks over all of K, one program each. cuBLAS: 7.07 / 5.82 us; these: 6.27 / 5.70
+# (session 13's ``bench_linear.py --stream`` sweep), and in a step they launch early (programmatic dependent launch)
+SHORT_STREAM_MAX_K, SHORT_STREAM_MIN_ELEMS = 1280, 1 << 22
 
 
 @triton.jit
@@ -150,6 +156,9 @@ def narrow_tiling(k: int, block_n: int) -> Tiling:
 def skinny_config(n: int, k: int) -> Tiling:
     """The tiling of an [n, k] weight: narrow weights (up to ``SKINNY_WIDE_N`` rows) in 32-column blocks (64 past
     ``SKINNY_MAX_N``) and 512-column K splits, latency-bound; wider ones as a weight stream (``STREAM_*``)."""
+    if n > SKINNY_WIDE_N and k <= SHORT_STREAM_MAX_K and n * k < STREAM_MIN_ELEMS:  # a short stream (``serves``)
+        k_split = triton.cdiv(k, BLOCK_K) * BLOCK_K
+        return Tiling(64, BLOCK_K, k_split, 1, 4, 4)
     if n > SKINNY_WIDE_N:
         k_split, split = even_k_split(k, STREAM_K_SPLIT, BLOCK_K)
         return Tiling(STREAM_BLOCK_N, BLOCK_K, k_split, split, 4, 4 if split == 1 else 3)
@@ -163,6 +172,8 @@ def serves(m: int, n: int, k: int | None = None) -> bool:
     if not 0 < m <= SKINNY_MAX_ROWS:
         return False
     if n <= SKINNY_MAX_N or (n <= SKINNY_WIDE_N and m <= SKINNY_WIDE_ROWS):
+        return True
+    if k is not None and n >= STREAM_MIN_N and k <= SHORT_STREAM_MAX_K and n * k >= SHORT_STREAM_MIN_ELEMS:
         return True
     return k is not None and n >= STREAM_MIN_N and n * k >= STREAM_MIN_ELEMS
 
