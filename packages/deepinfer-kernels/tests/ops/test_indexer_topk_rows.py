@@ -145,6 +145,7 @@ def _interp_block():
     _check(3, 2, 250, 40, 3, 64, 33408, 7, seed=1)  # picks past the table (3 * 64 < 250), several queries a request
     _check(4, 1, 600, 64, 10, 64, 0, None, seed=2)  # the tail part; no prefix, no offset
     _check(4, 1, 200, 512, 3, 64, (1 << 33) + 5, 130, seed=3, big=True)  # k > N; rows past 2^32; 130 prefix columns
+    _check(2, 1, 100, 16, 3, 16, (3 << 30) + 7, 4, seed=13, big=True)  # an offset past 2^31 (an unsigned 32-bit arg)
     _check(2, 1, 100, 16, 0, 4, 3, 4, seed=4)  # an empty table
     _check(3, 1, 100, 16, 7, 16, 3, 0, seed=5)  # a prefix of width 0
     _check(2, 2, 100, 0, 7, 16, 3, 4, seed=6)  # k = 0: the prefix alone
@@ -154,7 +155,7 @@ def _interp_split_and_stream():
     split = dict(block_row_max=0, chunk=128)  # 1000 entries: 8 pieces of 128, 8 x 40 candidates
     assert backend.split_config(1000, 40, 128) is not None
     _check(3, 2, 1000, 40, 14, 64, 33408, 9, seed=7, twice=True, **split)
-    _check(2, 1, 1000, 40, 20, 64, 0, None, seed=8, big=True, **split)
+    _check(2, 1, 1000, 40, 20, 64, (3 << 30) + 7, None, seed=8, big=True, **split)
     stream = dict(block_row_max=0, chunk=0)
     _check(3, 2, 3000, 100, 40, 64, 33408, 9, seed=9, **stream)
     _check(2, 1, 2500, 3000, 100, 32, 12, 150, seed=10, big=True, **stream)  # k > N
