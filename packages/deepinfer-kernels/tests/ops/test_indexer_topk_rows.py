@@ -231,7 +231,7 @@ def test_gpu_row_map_v4_decode_shapes(rows, n):
     assert torch.equal(paged_rows_triton(unfused[:, 0], tables, 64, offset, prefix=prefix), want[:, 0])
     sms = sm_count(scores.device)
     assert n < backend.GRID_MIN or grid_plan(n, rows, sms) is not None, "8448 entries: the grid kernel"
-    grid_chunk, split_chunk = (256, 512) if n == 1024 else (1024, 4096)
+    grid_chunk, split_chunk = (512, 512) if n == 1024 else (1024, 4096)
     assert grid_plan(n, rows, sms, grid_chunk) and backend.split_config(n, 512, split_chunk)
     forced = {
         "grid": dict(grid_min=0, grid_chunk=grid_chunk),
