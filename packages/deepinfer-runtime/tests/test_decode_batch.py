@@ -3,10 +3,15 @@ rows in one ``KVPools``) runs attention for all of them at once. Its logits are 
 path (requests in private pools, or with standalone rows), on the CPU in float32 and on CUDA in batch-invariant
 mode, for V4 and V4.1, with requests of different lengths crossing CSA / HCA / ratio-2 group boundaries and at
 group starts (first entries); V4.1's DSpark context and Engram lookback equal too. On CUDA, steps replayed from
-whole-step CUDA graphs (padded batch buckets) give the same bits (V4 and V4.1)."""
+whole-step CUDA graphs (padded batch buckets) give the same bits (V4 and V4.1). The launch-saving flags keep the
+bits: V4's ``FUSED_POOL_ROWS`` (the top-k writing the attention row table) on the CPU through the op's reference and
+through its Triton kernel in the interpreter, and on CUDA like the others."""
+
+import os
 
 import pytest
 import torch
+from deepinfer_kernels import registry
 from deepinfer_kernels.registry import set_batch_invariant
 from deepinfer_runtime import load_model
 from deepinfer_runtime.cuda_graphs import StepGraphs
@@ -178,6 +183,75 @@ def test_index_lane_first_cuda(arch, dirs, monkeypatch):
     module = deepseek_v4 if arch == "v4" else deepseek_v41
     toggle = lambda m, on: m.setattr(module, "INDEX_LANE_FIRST", on)  # noqa: E731
     _toggle_keeps_the_bits(arch, dirs, monkeypatch, toggle, "the launch order")
+
+
+def _count_row_maps(monkeypatch) -> list[bool]:
+    """Spies on V4's ``indexer_topk``: one entry a call, True where it got a row map (the fused path ran)."""
+    calls, topk = [], deepseek_v4.indexer_topk
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("row_map") is not None)
+        return topk(*args, **kwargs)
+
+    monkeypatch.setattr(deepseek_v4, "indexer_topk", counted)
+    return calls
+
+
+def _csa_layers(model) -> int:
+    return sum(hasattr(block.attn, "indexer") for block in model.layers)
+
+
+def test_fused_pool_rows_cpu(dirs, monkeypatch):
+    """``deepseek_v4.FUSED_POOL_ROWS`` on: the CSA layers' top-k makes the attention row table (``indexer_topk``'s
+    ``row_map``) instead of ``DecodeBatch.pool_rows`` after it; the planned steps equal the per-request path, bitwise,
+    as with it off. On the CPU the op runs its reference (the composition itself) and the lanes run inline: this
+    checks the wiring (the map's tables, rows per block, offset and window prefix); the interpreted test below runs
+    the Triton kernels inside the steps, and the GPU test the kernels on the streams."""
+    monkeypatch.setattr(deepseek_v4, "FUSED_POOL_ROWS", True)
+    mapped = _count_row_maps(monkeypatch)
+    model = _check("v4", dirs, "cpu", torch.float32, monkeypatch)
+    assert sum(mapped) == STEPS * _csa_layers(model) > 0, "one fused top-k per CSA layer and planned step"
+
+
+def _interp_fused_pool_rows(path: str) -> None:
+    """Under TRITON_INTERPRET=1 with ``indexer_topk`` pinned to its Triton backend (which then takes CPU tensors):
+    the planned V4 steps with ``FUSED_POOL_ROWS`` on (the register kernel writes the row table) equal those with it
+    off (the kernel's picks, then ``paged_rows``' reference), bitwise."""
+    os.environ["DEEPINFER_BACKEND_INDEXER_TOPK"] = "triton"
+    from deepinfer_kernels.ops.indexer.triton import indexer_topk_triton
+
+    assert registry.resolve("indexer_topk", "cpu") is indexer_topk_triton
+    model = load_model(path, dtype=torch.float32, device="cpu", progress=False)
+    steps = {}
+    with pytest.MonkeyPatch.context() as m:
+        mapped = _count_row_maps(m)
+        for on in (False, True):
+            m.setattr(deepseek_v4, "FUSED_POOL_ROWS", on)
+            steps[on] = _decode(model, "cpu", shared=True, paged=True, spy=_Spy(m, *SPIES["v4"]))[0]
+    assert sum(mapped) == STEPS * _csa_layers(model) > 0
+    for step, (a, b) in enumerate(zip(steps[False], steps[True])):
+        assert torch.equal(a, b), f"step {step}: the fused row table changes the logits by {(a - b).abs().max()}"
+
+
+def test_fused_pool_rows_interpreted(dirs):
+    """The Triton top-k writing the row table inside V4's planned steps, on the CPU (``_interp_fused_pool_rows``, in a
+    child process: the interpreter must be on before triton is imported)."""
+    pytest.importorskip("triton")
+    from deepinfer_kernels.testing.triton_interpreter import NUMPY_REFUSAL, NUMPY_SKIP, run_interpreted_cases
+
+    error = run_interpreted_cases(__file__, {"v4": ("_interp_fused_pool_rows", (str(dirs["v4"]),))})["v4"]
+    if NUMPY_REFUSAL in error:
+        pytest.skip(NUMPY_SKIP)
+    assert not error, error
+
+
+@pytest.mark.gpu
+def test_fused_pool_rows_cuda(dirs, monkeypatch):
+    """The top-k writing the attention row table on the index lane (``FUSED_POOL_ROWS``; the window lane awaited
+    before it): planned steps, eagerly and replayed from whole-step graphs, equal the steps with ``paged_rows``,
+    bitwise."""
+    toggle = lambda m, on: m.setattr(deepseek_v4, "FUSED_POOL_ROWS", on)  # noqa: E731
+    _toggle_keeps_the_bits("v4", dirs, monkeypatch, toggle, "the fused row table")
 
 
 @pytest.mark.gpu

@@ -271,3 +271,11 @@ class DecodeBatch:
         in front (the window's rows: the whole attention row table, [rows, P + K]). One kernel (``paged_rows``)."""
         rpb = self.kv[key].rows_per_block
         return paged_rows(ids, self["tables"], rpb, offset, limit=limit, prefix=prefix)
+
+    def pool_row_map(
+        self, key: object, offset: int = 0, prefix: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+        """``pool_rows``' arguments as an op that makes the row table itself takes them (``indexer_topk``'s
+        ``row_map``): (block tables [rows, width] int64, store ``key``'s rows per block, ``offset``, ``prefix``
+        [rows, P] int64 or None)."""
+        return self["tables"], self.kv[key].rows_per_block, offset, prefix

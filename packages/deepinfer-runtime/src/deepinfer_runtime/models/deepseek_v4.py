@@ -193,14 +193,26 @@ class Indexer(nn.Module):
         self.compressor.decode(proj[1], proj[2], batch, ("idx", layer), inv_freq, dtype, rows)
         return weights
 
-    def decode(self, weights: torch.Tensor, q: torch.Tensor, batch: DecodeBatch, layer: int) -> torch.Tensor:
+    def decode(
+        self,
+        weights: torch.Tensor,
+        q: torch.Tensor,
+        batch: DecodeBatch,
+        layer: int,
+        row_map: tuple | None = None,
+        after: SideStream | None = None,
+    ) -> torch.Tensor:
         """``forward`` for a planned decode step from the rotated queries q [rows, H, Dh] (``rotated_query``) and the
         head weights [rows, H] that ``decode_keys`` made with the index keys (on the caller's lane, ordered after
-        them) -> entry ids [rows, k]."""
+        them) -> entry ids [rows, k]. With ``row_map`` (``DecodeBatch.pool_row_map``) the attention's row table of
+        the picks instead, [rows, P + k] int64 (``indexer_topk``'s), its top-k started after the work so far of lane
+        ``after`` (a ``SideStream``; the one that made the map's prefix), which the scores do not wait for."""
         pool, tables = batch.pages(("idx", layer))  # every request's index keys, read in place
         scores = indexer_scores_paged(q[:, None], pool, tables, weights[:, None], self.head_dim**-0.5)
         visible = batch[("visible", self.ratio)][:, None]  # a request's rows past its own entries are never visible
-        return indexer_topk(scores, visible, self.topk)[:, 0]
+        if after is not None:
+            after.depend()
+        return indexer_topk(scores, visible, self.topk, row_map=row_map)[:, 0]
 
     def projections(self) -> tuple[list[Linear], list[torch.dtype | None]]:
         """The indexer's projections of the layer's normed input x, in ``decode``'s ``proj`` order."""
@@ -213,6 +225,13 @@ class Indexer(nn.Module):
 # The same bits. H200, pipelined ms, two alternating rounds in one lease (``benchmarks/ab_slice.py``, session 25):
 # batch 1 1.108 -> 1.107 (4K), 1.130 -> 1.129 (32K); batch 8 at 32K 2.252 -> 2.240.
 INDEX_LANE_FIRST = True
+
+# CSA decode: the index lane's top-k writes the attention's row table [window rows | pool rows of the picks] itself
+# (``indexer_topk``'s ``row_map``), in place of the ``paged_rows`` launch after it (``DecodeBatch.pool_rows``: ~4.4
+# us on the index lane, the attention's critical path, per CSA layer at batch 1 on an H200); the window lane is then
+# awaited before the top-k (the prefix is its row ids), not after it. The same bits. Unmeasured: off until an A/B on
+# a GPU (``benchmarks/ab_slice.py``) shows the step faster.
+FUSED_POOL_ROWS = False
 
 
 class Attention(nn.Module):
@@ -358,9 +377,13 @@ class Attention(nn.Module):
             # up-projection, which used to run first, so that the top-k (6-40 us) started after both streams
             qi = self.indexer.rotated_query(qr, pos, self.inv_freq)
             with index.branch():
-                picked = self.indexer.decode(weights, qi, batch, self.layer)
-                window.depend()  # its row ids
-                idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
+                if FUSED_POOL_ROWS:  # the top-k makes the row table (reading the window's row ids)
+                    row_map = batch.pool_row_map(key, table.shape[0], win_ids)
+                    idx = self.indexer.decode(weights, qi, batch, self.layer, row_map, after=window)
+                else:
+                    picked = self.indexer.decode(weights, qi, batch, self.layer)
+                    window.depend()  # its row ids
+                    idx = batch.pool_rows(key, picked, offset=table.shape[0], prefix=win_ids)
         q = self.query_up(qr, pos, early=index is None or not INDEX_LANE_FIRST)
         comp.join()
         window.join()

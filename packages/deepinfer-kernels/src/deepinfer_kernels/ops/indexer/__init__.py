@@ -37,6 +37,33 @@ def _check_count(fn: str, name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{fn}: {name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_row_map(fn: str, row_map: tuple, scores: torch.Tensor) -> None:
+    """``indexer_topk``'s row_map: (tables int64 [B, W], rows_per_block >= 1, offset >= 0, prefix int64 [B, P] or
+    None), the tensors on scores' device (``paged_rows``'s arguments, B = scores' requests)."""
+    if not isinstance(row_map, (tuple, list)) or len(row_map) != 4:
+        raise ValueError(f"{fn}: row_map must be (tables, rows_per_block, offset, prefix), got {row_map!r}")
+    tables, rows_per_block, offset, prefix = row_map
+    b = scores.shape[0]
+    if not isinstance(tables, torch.Tensor) or tables.dim() != 2 or tables.dtype != torch.int64:
+        got = f"{tables.dtype}{tuple(tables.shape)}" if isinstance(tables, torch.Tensor) else repr(tables)
+        raise ValueError(f"{fn}: row_map's tables must be int64 [B, W], got {got}")
+    if tables.shape[0] != b or tables.device != scores.device:
+        raise ValueError(
+            f"{fn}: row_map's tables {tuple(tables.shape)} on {tables.device} must be [B={b}, W] on {scores.device}"
+        )
+    _check_count(fn, "row_map's rows_per_block", rows_per_block, 1)
+    _check_count(fn, "row_map's offset", offset, 0)
+    if prefix is not None and (
+        not isinstance(prefix, torch.Tensor)
+        or prefix.dim() != 2
+        or prefix.dtype != torch.int64
+        or prefix.shape[0] != b
+        or prefix.device != scores.device
+    ):
+        got = f"{prefix.dtype}{tuple(prefix.shape)} on {prefix.device}" if isinstance(prefix, torch.Tensor) else prefix
+        raise ValueError(f"{fn}: row_map's prefix must be None or int64 [B={b}, P] on {scores.device}, got {got}")
+
+
 def indexer_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,9 +149,15 @@ def indexer_scores_paged(
 
 
 def indexer_topk(
-    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+    scores: torch.Tensor,
+    visible: torch.Tensor,
+    top_k: int,
+    mask: torch.Tensor | None = None,
+    *,
+    row_map: tuple[torch.Tensor, int, int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Indices of the top-``top_k`` selectable scores per query row, ascending, -1 padded.
+    """Indices of the top-``top_k`` selectable scores per query row, ascending, -1 padded; with ``row_map``, the
+    attention row table of those picks instead.
 
     Selectable = visible (n < visible[b, s]) and, when ``mask`` is given, mask[b, s, n] is True,
     and the score is not NaN / -inf (see the module docstring). ``mask`` is how the V4.1 re-index
@@ -138,14 +171,28 @@ def indexer_topk(
 
     Ties: which of several equal scores is taken at the boundary is unspecified.
 
+    Row map (a decode step's attention row table, made by the top-k itself: the ``paged_rows`` launch after it is
+    saved): ``row_map`` = (tables, rows_per_block, offset, prefix) are ``paged_rows``' arguments, and the result is
+    exactly ``paged_rows(ids[:, s], tables, rows_per_block, offset, prefix=prefix)`` for each query row s, where
+    ids = indexer_topk(scores, visible, top_k, mask) (so the same picks, ties included, as this call without a map on
+    the same backend). With R = rows_per_block, P = prefix's width (0 when None) and K = min(top_k, N):
+
+        out[b, s, c]     = prefix[b, c]                                  for c < P
+        out[b, s, P + j] = tables[b, e // R] * R + e % R + offset        for e = ids[b, s, j] >= 0 with e // R < W
+                         = -1                                            for e = -1 or e // R >= W.
+
     Args:
         scores: [B, S, N] fp32 (e.g. from ``indexer_scores``).
         visible: [B, S] int64 visible lengths (clamped to [0, N]).
         top_k: int >= 0 (V4 and V4.1: 512); the output width is min(top_k, N).
         mask: optional bool [B, S, N]; False entries are treated as invisible.
+        row_map: optional (tables, rows_per_block, offset, prefix): tables int64 [B, W] block tables (block ids
+            >= 0); rows_per_block int >= 1; offset int >= 0 added to every row (the pool as the row table's second
+            segment); prefix None or int64 [B, P] (the first segment: each request's window rows); tensors on
+            scores' device.
 
     Returns:
-        [B, S, min(top_k, N)] int64. See reference.py.
+        [B, S, min(top_k, N)] int64; with ``row_map`` [B, S, P + min(top_k, N)] int64. See reference.py.
     """
     fn = "indexer_topk"
     _check_scores_visible(fn, scores, visible)
@@ -155,7 +202,10 @@ def indexer_topk(
             raise ValueError(f"{fn}: mask must be bool, got {mask.dtype}")
         if mask.shape != scores.shape:
             raise ValueError(f"{fn}: mask shape {tuple(mask.shape)} != scores shape {tuple(scores.shape)}")
-    return dispatch(fn, scores.device, scores, visible, top_k, mask)
+    if row_map is None:
+        return dispatch(fn, scores.device, scores, visible, top_k, mask)
+    _check_row_map(fn, row_map, scores)
+    return dispatch(fn, scores.device, scores, visible, top_k, mask, tuple(row_map))
 
 
 def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int, top_blocks: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from deepinfer_kernels.registry import register_reference
 
+from ..cache_rows.reference import paged_rows_ref
+
 _NEG_INF = float("-inf")
 
 
@@ -67,8 +69,16 @@ def indexer_scores_paged_ref(
 
 @register_reference("indexer_topk")
 def indexer_topk_ref(
-    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None, row_map=None
 ) -> torch.Tensor:
+    if row_map is not None:  # the composition: the picks, then each query row's paged_rows
+        ids = indexer_topk_ref(scores, visible, top_k, mask)
+        tables, rows_per_block, offset, prefix = row_map
+        b, s, k = ids.shape
+        if s == 0:
+            return ids.new_empty(b, 0, k + (0 if prefix is None else prefix.shape[1]))
+        rows = [paged_rows_ref(ids[:, i], tables, rows_per_block, offset, prefix=prefix) for i in range(s)]
+        return torch.stack(rows, dim=1)
     n = scores.shape[-1]
     k = min(top_k, n)
     selectable = _selectable(scores, visible, mask)

@@ -23,7 +23,8 @@ arithmetic is unchanged: bitwise the dense op over the gathered keys). ``indexer
 select of ``topk_select`` (programs per query row, no sort: its output is ascending by construction), which reads
 the candidate mask itself (a masked copy of the scores was a PyTorch pass of 38 us over V4.1's [256, 32K] rows). Its
 tie rule (lower index wins) is one of the choices ``indexer_topk``'s contract leaves open; exact, hence
-batch-invariant.
+batch-invariant. With a ``row_map`` the select's kernels write the attention row table of the picks themselves (a
+decode step's ``paged_rows`` launch saved; see ``topk_select/triton.py``).
 """
 
 import torch
@@ -184,12 +185,14 @@ register_backend(
 
 
 def indexer_topk_triton(
-    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None
+    scores: torch.Tensor, visible: torch.Tensor, top_k: int, mask: torch.Tensor | None = None, row_map=None
 ) -> torch.Tensor:
+    """The op (contract in ``__init__.py``); with ``row_map`` the select's kernels write the row table themselves."""
     b, s, n = scores.shape
     flat_mask = mask.reshape(b * s, n) if mask is not None else None  # read by the select: no masked copy of scores
-    picks = topk_select_triton(scores.reshape(b * s, n), top_k, visible.reshape(b * s).to(torch.int64), flat_mask)
-    return picks.view(b, s, -1)
+    flat_visible = visible.reshape(b * s).to(torch.int64)
+    picks = topk_select_triton(scores.reshape(b * s, n), top_k, flat_visible, flat_mask, row_map=row_map)
+    return picks.view(b, s, picks.shape[1])  # (not -1: a width of 0 leaves it undefined)
 
 
 register_backend(

@@ -43,6 +43,13 @@ Four kernels share these steps (``_keys``; ``_radix`` over ``_in_bucket``, ``_di
   (each tl.histogram pass costs ~90 us for a 128K row on H200, and 2048 bins cost ~4x 256 bins, so wider digits
   do not pay).
 
+With a row map (``HAS_MAP``; ``indexer_topk``'s ``row_map``, a decode step's attention row table), every kernel writes
+each pick's pool row instead of its index, through its request's block table (``paged_rows``'s rule, int64), at
+column n_pre + j of a row whose first n_pre columns it copies from the prefix (a request's window rows): the
+``paged_rows`` launch that followed the top-k (~4.4 us on the index lane per CSA layer at batch 1, H200) is gone.
+The one-program-per-row kernels copy the prefix in that program; the grid and split kernels, which cut a row into
+pieces, in piece 0. Without it (a constexpr) the kernels are the same code as before.
+
 Results are exact (integer counts only), hence bitwise equal to the reference and trivially batch-invariant.
 """
 
@@ -87,6 +94,7 @@ INT_MIN = tl.constexpr(-2147483648)
 GRID_WS_WORDS = 4 * 256 + 1  # a grid-selected row's zeroed workspace: 4 passes' histograms, its selectable count
 GRID_WS = tl.constexpr(GRID_WS_WORDS)
 GRID_WS_POW2 = tl.constexpr(2048)
+PREFIX_BLOCK = tl.constexpr(128)  # prefix columns a row-mapped program copies at a time (V4's window: 128, one step)
 
 
 @triton.jit
@@ -163,32 +171,64 @@ def _select(key, valid, t_hi, level, k_rem, n_sel, n_eq):
 
 
 @triton.jit
-def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq):
-    """``_select``, writing the selected entries' ``idx`` at their positions of ``dst``. Returns the new (n_sel,
-    n_eq)."""
+def _table_rows(e, sel, tab, W, R, OFFSET):
+    """Pool rows of entries ``e`` (int32, >= 0) through a request's block table ``tab`` (W block ids), as
+    ``paged_rows``: tab[e // R] * R + e % R + OFFSET, -1 past the table (e // R >= W). The table is read at ``sel``
+    alone (the selected entries). An entry number and R fit 32 bits, so the division is 32-bit (a 64-bit one is a
+    long subroutine per element, and spilled the 8192-entry block kernel's registers); the row is int64 (block
+    ids times R exceed 2^31 in big pools)."""
+    block = e // R
+    ok = block < W
+    t = tl.load(tab + block, mask=sel & ok, other=0)
+    return tl.where(ok, t * R + e % R + OFFSET, -1)
+
+
+@triton.jit
+def _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq, tab, W, R, OFFSET, HAS_MAP: tl.constexpr):
+    """``_select``, writing the selected entries' ``idx`` at their positions of ``dst`` (with HAS_MAP their pool
+    rows through ``tab``: ``_table_rows``). Returns the new (n_sel, n_eq)."""
     sel, pos, n_sel, n_eq = _select(key, valid, t_hi, level, k_rem, n_sel, n_eq)
-    tl.store(dst + pos, idx.to(tl.int64), mask=sel)
+    if HAS_MAP:
+        tl.store(dst + pos, _table_rows(idx, sel, tab, W, R, OFFSET), mask=sel)
+    else:
+        tl.store(dst + pos, idx.to(tl.int64), mask=sel)
     return n_sel, n_eq
 
 
 @triton.jit
+def _copy_prefix(dst, row, pre_ptr, n_pre):
+    """A row-mapped output row ``dst``'s first n_pre columns: row ``row`` of the prefix [rows, n_pre] (contiguous)."""
+    pre = pre_ptr + row * n_pre
+    for f in range(0, n_pre, PREFIX_BLOCK):
+        j = f + tl.arange(0, PREFIX_BLOCK)
+        tl.store(dst + j, tl.load(pre + j, mask=j < n_pre), mask=j < n_pre)
+
+
+@triton.jit
+def _map_row(dst, row, t_ptr, W, n_pre):
+    """A row-mapped output row ``dst``: where its picks go (after the n_pre prefix columns) and its request's block
+    table (row ``row`` of [rows, W] ``t_ptr``, contiguous)."""
+    return dst + n_pre, t_ptr + row * W
+
+
+@triton.jit
 def _select_parts(
-    dst, ids, key, valid, in_row, ids_t, key_t, valid_t, in_tail, K, fill_to, BLOCK: tl.constexpr,
-    TAIL: tl.constexpr,
+    dst, ids, key, valid, in_row, ids_t, key_t, valid_t, in_tail, K, fill_to, tab, W, R, OFFSET, BLOCK: tl.constexpr,
+    TAIL: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """The top K of keys held in registers as a power-of-two block plus, when TAIL > 0, a power-of-two tail that
     follows it in index order (``register_parts``; the ``*_t`` arguments are not read otherwise): the radix passes,
-    the compaction of the selected ``ids`` to ``dst`` in order (block, then tail), then -1 at output positions from
-    the selected count up to ``fill_to``."""
+    the compaction of the selected ``ids`` (with HAS_MAP their pool rows through ``tab``, ``_compact``) to ``dst``
+    in order (block, then tail), then -1 at output positions from the selected count up to ``fill_to``."""
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     if TAIL > 0:
         n_valid += tl.sum(valid_t.to(tl.int32), axis=0)
     k_rem, prefix, level = _radix(key, in_row, key_t, in_tail, tl.minimum(K, n_valid), TAIL)
     t_hi = (prefix ^ INT_MIN) >> level
     zero = tl.zeros([], dtype=tl.int32)
-    n_sel, n_eq = _compact(dst, ids, key, valid, t_hi, level, k_rem, zero, zero)
+    n_sel, n_eq = _compact(dst, ids, key, valid, t_hi, level, k_rem, zero, zero, tab, W, R, OFFSET, HAS_MAP)
     if TAIL > 0:
-        n_sel, n_eq = _compact(dst, ids_t, key_t, valid_t, t_hi, level, k_rem, n_sel, n_eq)
+        n_sel, n_eq = _compact(dst, ids_t, key_t, valid_t, t_hi, level, k_rem, n_sel, n_eq, tab, W, R, OFFSET, HAS_MAP)
         pos_t = BLOCK + tl.arange(0, TAIL)
         tl.store(dst + pos_t, tl.full([TAIL], -1, tl.int64), mask=(pos_t >= n_sel) & (pos_t < fill_to))
     pos = tl.arange(0, BLOCK)
@@ -205,16 +245,22 @@ def _row_length(len_ptr, row, N, HAS_LEN: tl.constexpr):
 
 @triton.jit
 def _topk_select_block_kernel(
-    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr = 0, PDL: tl.constexpr = False
+    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, t_ptr, pre_ptr, W, R, OFFSET, n_pre,
+    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr = 0,
+    PDL: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
 ):  # fmt: skip
     """A row of N <= BLOCK + TAIL entries, read once: the radix passes and the compaction work on its keys in
-    registers, entries [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL) (``register_parts``)."""
+    registers, entries [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL) (``register_parts``). HAS_MAP: the
+    picks' pool rows after the row's prefix, which this program copies."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * s_stride
     msk = m_ptr + row * m_stride
     dst = out_ptr + row * out_stride
+    tab = t_ptr  # read with HAS_MAP alone
+    if HAS_MAP:
+        _copy_prefix(dst, row, pre_ptr, n_pre)
+        dst, tab = _map_row(dst, row, t_ptr, W, n_pre)
     length = _row_length(len_ptr, row, N, HAS_LEN)
     idx = tl.arange(0, BLOCK)
     in_row = idx < N
@@ -225,19 +271,21 @@ def _topk_select_block_kernel(
         key_t, valid_t = _keys(src, idx_t, N, length, msk, HAS_MASK)
     else:
         idx_t, in_tail, key_t, valid_t = idx, in_row, key, valid  # not read
-    _select_parts(dst, idx, key, valid, in_row, idx_t, key_t, valid_t, in_tail, K, K, BLOCK, TAIL)
+    _select_parts(
+        dst, idx, key, valid, in_row, idx_t, key_t, valid_t, in_tail, K, K, tab, W, R, OFFSET, BLOCK, TAIL, HAS_MAP
+    )
 
 
 @triton.jit
 def _topk_select_split_kernel(
-    s_ptr, len_ptr, m_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P,
-    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
-    CAND_TAIL: tl.constexpr = 0, PDL: tl.constexpr = False,
+    s_ptr, len_ptr, m_ptr, out_ptr, ck_ptr, ci_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P, t_ptr, pre_ptr,
+    W, R, OFFSET, n_pre, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, CAND: tl.constexpr,
+    CAND_TAIL: tl.constexpr = 0, PDL: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
 ):  # fmt: skip
     """Piece ``program_id(1)`` (CHUNK entries, read once) of a row: its top K as candidates (key, index) at
     [row, piece * K ...) of ``ck`` / ``ci`` (INT_MIN keys past the chosen ones); the row's last piece to finish
     selects the row's top K among its P * K candidates (CAND + CAND_TAIL >= P * K, as the block kernel's BLOCK and
-    TAIL) and resets the counter."""
+    TAIL) and resets the counter. HAS_MAP: the picks' pool rows after the row's prefix, which piece 0 copies."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -245,6 +293,9 @@ def _topk_select_split_kernel(
     in_piece = idx < N
     length = _row_length(len_ptr, row, N, HAS_LEN)
     key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
+    if HAS_MAP:
+        if piece == 0:  # the row's prefix, while the pieces select
+            _copy_prefix(out_ptr + row * out_stride, row, pre_ptr, n_pre)
     k_rem, prefix, level = _radix(key, in_piece, key, in_piece, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)), 0)
     zero = tl.zeros([], dtype=tl.int32)
     sel, pos, n_sel, _ = _select(key, valid, (prefix ^ INT_MIN) >> level, level, k_rem, zero, zero)
@@ -270,9 +321,13 @@ def _topk_select_split_kernel(
         else:
             c_in_t, ckey_t, cidx_t, cvalid_t = c_in, ckey, cidx, cvalid  # not read
         dst = out_ptr + row * out_stride
+        tab = t_ptr  # read with HAS_MAP alone
+        if HAS_MAP:
+            dst, tab = _map_row(dst, row, t_ptr, W, n_pre)
         _select_parts(
-            dst, cidx, ckey, cvalid, c_in, cidx_t, ckey_t, cvalid_t, c_in_t, K, tl.minimum(K, N), CAND, CAND_TAIL
-        )
+            dst, cidx, ckey, cvalid, c_in, cidx_t, ckey_t, cvalid_t, c_in_t, K, tl.minimum(K, N), tab, W, R, OFFSET,
+            CAND, CAND_TAIL, HAS_MAP,
+        )  # fmt: skip
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
@@ -290,16 +345,17 @@ def _grid_barrier(cnt_ptr, target):
 
 @triton.jit
 def _topk_select_grid_kernel(
-    s_ptr, len_ptr, m_ptr, out_ptr, ws_ptr, cn_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P,
-    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, P_MAX: tl.constexpr,
-    PDL: tl.constexpr = False,
+    s_ptr, len_ptr, m_ptr, out_ptr, ws_ptr, cn_ptr, cnt_ptr, N, K, s_stride, m_stride, out_stride, P, t_ptr, pre_ptr,
+    W, R, OFFSET, n_pre, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, P_MAX: tl.constexpr,
+    PDL: tl.constexpr = False, HAS_MAP: tl.constexpr = False,
 ):  # fmt: skip
     """Piece ``program_id(1)`` (CHUNK entries, read once, held in registers) of a row whose P pieces run as one
     selection: each radix pass adds the pieces' histograms in the row's zeroed workspace ``ws`` (GRID_WS words: a
     256-bin histogram per pass, then the count of selectable entries) and waits for all P (``_grid_barrier`` on the
     row's counter), so every piece takes the same decisions; then each piece publishes its counts above / at T
     (``cn``), waits, and writes its selected entries at the positions the pieces before it leave (ties: the lower
-    index first, across pieces). The last piece to leave zeroes the workspace and the counters."""
+    index first, across pieces). The last piece to leave zeroes the workspace and the counters. HAS_MAP: the picks'
+    pool rows after the row's prefix, which piece 0 copies."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -309,6 +365,9 @@ def _topk_select_grid_kernel(
     in_piece = idx < N
     length = _row_length(len_ptr, row, N, HAS_LEN)
     key, valid = _keys(s_ptr + row * s_stride, idx, N, length, m_ptr + row * m_stride, HAS_MASK)
+    if HAS_MAP:
+        if piece == 0:  # the row's prefix, while the passes run
+            _copy_prefix(out_ptr + row * out_stride, row, pre_ptr, n_pre)
     bins = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.int32)
     level = tl.full([], 32, dtype=tl.int32)
@@ -339,7 +398,12 @@ def _topk_select_grid_kernel(
     above = tl.sum(tl.load(cn_ptr + (row * P + j) * 2, mask=before, other=0, cache_modifier=".cg"), axis=0)
     n_eq = tl.sum(tl.load(cn_ptr + (row * P + j) * 2 + 1, mask=before, other=0, cache_modifier=".cg"), axis=0)
     dst = out_ptr + row * out_stride
-    n_sel, _ = _compact(dst, idx, key, valid, t_hi, level, k_rem, above + tl.minimum(n_eq, k_rem), n_eq)
+    tab = t_ptr  # read with HAS_MAP alone
+    if HAS_MAP:
+        dst, tab = _map_row(dst, row, t_ptr, W, n_pre)
+    n_sel, _ = _compact(
+        dst, idx, key, valid, t_hi, level, k_rem, above + tl.minimum(n_eq, k_rem), n_eq, tab, W, R, OFFSET, HAS_MAP
+    )
     if piece == P - 1:  # its count is the row's: -1 past it, up to the output's width
         width = tl.minimum(K, N)
         for f in range(0, width, CHUNK):
@@ -355,15 +419,21 @@ def _topk_select_grid_kernel(
 
 @triton.jit
 def _topk_select_kernel(
-    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, HAS_LEN: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+    s_ptr, len_ptr, m_ptr, out_ptr, N, K, s_stride, m_stride, out_stride, t_ptr, pre_ptr, W, R, OFFSET, n_pre,
+    HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_MAP: tl.constexpr = False,
 ):  # fmt: skip
-    """A row of any length, streamed in BLOCK chunks by every pass."""
+    """A row of any length, streamed in BLOCK chunks by every pass. HAS_MAP: the picks' pool rows after the row's
+    prefix, which this program copies."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * s_stride
     msk = m_ptr + row * m_stride
     dst = out_ptr + row * out_stride
+    tab = t_ptr  # read with HAS_MAP alone
+    if HAS_MAP:
+        _copy_prefix(dst, row, pre_ptr, n_pre)
+        dst, tab = _map_row(dst, row, t_ptr, W, n_pre)
     length = _row_length(len_ptr, row, N, HAS_LEN)
     offs = tl.arange(0, BLOCK)
 
@@ -397,7 +467,7 @@ def _topk_select_kernel(
     for start in range(0, N, BLOCK):
         idx = start + offs
         key, valid = _keys(src, idx, N, length, msk, HAS_MASK)
-        n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq)
+        n_sel, n_eq = _compact(dst, idx, key, valid, t_hi, level, k_rem, n_sel, n_eq, tab, W, R, OFFSET, HAS_MAP)
     for start in range(0, K, BLOCK):
         idx = start + offs
         tl.store(dst + idx, tl.full([BLOCK], -1, tl.int64), mask=(idx >= n_sel) & (idx < K))
@@ -451,11 +521,28 @@ def grid_plan(n: int, rows: int, sms: int, chunk: int | None = None) -> tuple[in
     return None
 
 
+def _kernel_row_map(row_map: tuple, scores: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The kernels' row-map arguments (tables, prefix, W, R, offset, P) for the rows of ``scores``: a table row and a
+    prefix row for every score row, contiguous (a copy only where a request has several query rows; a decode step
+    has one). ``out`` stands in for a pointer that is never read (no prefix, or tables of width 0)."""
+    tables, rpb, offset, prefix = row_map
+    rows = scores.shape[0]
+    if tables.shape[0] == 0 or rows % tables.shape[0]:
+        raise ValueError(f"row_map: {rows} score rows are no whole number of requests (tables {tuple(tables.shape)})")
+    require_same_device(scores, tables, *([prefix] if prefix is not None else []))
+    per = rows // tables.shape[0]  # query rows a request
+    tables = (tables if per == 1 else tables.repeat_interleave(per, 0)).contiguous()
+    n_pre = 0 if prefix is None else prefix.shape[1]
+    if n_pre:
+        prefix = (prefix if per == 1 else prefix.repeat_interleave(per, 0)).contiguous()
+    return tables if tables.shape[1] else out, prefix if n_pre else out, tables.shape[1], rpb, offset, n_pre
+
+
 def topk_select_triton(
     scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None, *,
-    block: int | None = None, num_warps: int | None = None, block_row_max: int | None = None,
-    chunk: int | None = None, split_programs: int | None = None, grid_min: int | None = None,
-    grid_chunk: int | None = None,
+    row_map: tuple | None = None, block: int | None = None, num_warps: int | None = None,
+    block_row_max: int | None = None, chunk: int | None = None, split_programs: int | None = None,
+    grid_min: int | None = None, grid_chunk: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The op (contract in ``__init__.py``). Rows of at least ``grid_min`` entries take the grid kernel where its
     pieces fit the SMs (``grid_plan``; ``grid_chunk`` forces a piece size, 0 turns the kernel off); else rows of at
@@ -463,7 +550,12 @@ def topk_select_triton(
     the split kernel in ``chunk``-entry pieces (``split_config``; 0 turns it off) while rows x pieces is at most
     ``split_programs``, or else the streaming kernel, tiled by ``block`` / ``num_warps``. All are exposed for the
     benchmark's sweep and the tests (``block_row_max=0`` skips the register kernel); left None, each is the module
-    global of its name in capitals (read at the call, so that a benchmark's ``--set`` changes it)."""
+    global of its name in capitals (read at the call, so that a benchmark's ``--set`` changes it).
+
+    ``row_map`` (``indexer_topk``'s, which checks it; the public ``topk_select`` has none) = (tables [B, W] int64,
+    rows_per_block R, offset, prefix [B, P] int64 or None), B dividing S (scores row r is request r // (S / B)'s):
+    the result is then [S, P + min(k, N)] int64, each row ``paged_rows(picks, tables, R, offset, prefix=prefix)``
+    of its request, written by the kernels themselves."""
     block = BLOCK if block is None else block
     num_warps = NUM_WARPS if num_warps is None else num_warps
     block_row_max = BLOCK_ROW_MAX if block_row_max is None else block_row_max
@@ -472,11 +564,13 @@ def topk_select_triton(
     grid_min = GRID_MIN if grid_min is None else grid_min
     s, n = scores.shape
     width = min(k, n)
-    out = torch.empty(s, width, dtype=torch.int64, device=scores.device)
+    n_pre = 0 if row_map is None or row_map[3] is None else row_map[3].shape[1]
+    out = torch.empty(s, n_pre + width, dtype=torch.int64, device=scores.device)
     if s == 0:
         return out
-    if width == 0:
-        return out
+    rmap = (out, out, 0, 1, 0, 0) if row_map is None else _kernel_row_map(row_map, scores, out)
+    if width == 0:  # no picks: the prefix alone, if any
+        return out.copy_(rmap[1]) if n_pre else out
     require_same_device(scores, *[t for t in (lengths, mask) if t is not None])
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -484,7 +578,10 @@ def topk_select_triton(
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
     msk = mask if mask is not None else scores  # dummy pointer when absent
-    common = dict(HAS_LEN=lengths is not None, HAS_MASK=mask is not None, **pdl_options(scores.device))
+    common = dict(
+        HAS_LEN=lengths is not None, HAS_MASK=mask is not None, HAS_MAP=row_map is not None,
+        **pdl_options(scores.device),
+    )  # fmt: skip
     grid = None
     if n >= grid_min and grid_chunk != 0:
         grid = grid_plan(n, s, sm_count(scores.device), grid_chunk)
@@ -496,14 +593,14 @@ def topk_select_triton(
         counts = torch.empty(s, pieces, 2, dtype=torch.int32, device=scores.device)
         _topk_select_grid_kernel[(s, pieces)](
             scores, lens, msk, out, zeroed_scratch(scores.device), counts, counter_block(scores.device), n, width,
-            scores.stride(0), msk.stride(0), out.stride(0), pieces, CHUNK=piece,
+            scores.stride(0), msk.stride(0), out.stride(0), pieces, *rmap, CHUNK=piece,
             P_MAX=max(2, triton.next_power_of_2(pieces)), num_warps=block_warps(piece), **common,
         )  # fmt: skip
     elif n <= block_row_max:
         block, tail, warps = register_parts(n)
         _topk_select_block_kernel[(s,)](
-            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block, TAIL=tail,
-            num_warps=warps, **common,
+            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), *rmap, BLOCK=block,
+            TAIL=tail, num_warps=warps, **common,
         )  # fmt: skip
     elif split is not None:
         pieces, cand, cand_tail, warps = split
@@ -511,11 +608,11 @@ def topk_select_triton(
         ci = torch.empty_like(ck)
         _topk_select_split_kernel[(s, pieces)](
             scores, lens, msk, out, ck, ci, counter_block(scores.device), n, width, scores.stride(0), msk.stride(0),
-            out.stride(0), pieces, CHUNK=chunk, CAND=cand, CAND_TAIL=cand_tail, num_warps=warps, **common,
+            out.stride(0), pieces, *rmap, CHUNK=chunk, CAND=cand, CAND_TAIL=cand_tail, num_warps=warps, **common,
         )  # fmt: skip
     else:
         _topk_select_kernel[(s,)](
-            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), BLOCK=block,
+            scores, lens, msk, out, n, width, scores.stride(0), msk.stride(0), out.stride(0), *rmap, BLOCK=block,
             num_warps=num_warps, **common,
         )  # fmt: skip
     return out
