@@ -229,9 +229,10 @@ INDEX_LANE_FIRST = True
 # CSA decode: the index lane's top-k writes the attention's row table [window rows | pool rows of the picks] itself
 # (``indexer_topk``'s ``row_map``), in place of the ``paged_rows`` launch after it (``DecodeBatch.pool_rows``: ~4.4
 # us on the index lane, the attention's critical path, per CSA layer at batch 1 on an H200); the window lane is then
-# awaited before the top-k (the prefix is its row ids), not after it. The same bits. Unmeasured: off until an A/B on
-# a GPU (``benchmarks/ab_slice.py``) shows the step faster.
-FUSED_POOL_ROWS = False
+# awaited before the top-k (the prefix is its row ids), not after it. The same bits. H200, pipelined ms, two
+# alternating rounds in one lease (``benchmarks/ab_slice.py``, session 26): 4K batch 1 / 8 1.096 / 2.148 -> 1.090 /
+# 2.145, 32K 1.113 / 2.203 -> 1.108 / 2.190.
+FUSED_POOL_ROWS = True
 
 
 class Attention(nn.Module):
