@@ -22,10 +22,10 @@ of at most 2048 columns, 4 warps, 4 stages with one split and 3 with several (ot
 some shape). The output projections gain most: [4096, 8192] 22.0 -> 19.1 us at M = 1 (3.5 TB/s), 22.0 -> 20.2 at M =
 8, [5120, 8192] 26.1 -> 23.4 / 26.9 -> 24.6 us; the q up-projections [32768, 1024 / 1280] and V4.1's Engram values
 [25600, 6144] 2-4% (cuBLAS streams them at 87-95% of copy already). Weights under 32 MB stay on cuBLAS: the [4096 /
-5120, 2048 / 2304] shared-expert down projections were 3-10% slower here; except the short streams from a q_lora-rank
-input (``SHORT_STREAM_*``: the index query up-projections), which one 64-row block over all of K a program reads
-faster. V4's grouped ``wo_a`` (8 x [1024, 4096]) as
-one stream matched cuBLAS's batched GEMM (18.4-19.0 against 18.8 us) and stays there.
+5120, 2048 / 2304] shared-expert down projections were 3-10% slower here. The exception: short streams from a
+q_lora-rank input (``SHORT_STREAM_*``, the index query up-projections), faster as one 64-row block over all of K a
+program. V4's grouped ``wo_a`` (8 x [1024, 4096]) as one stream matched cuBLAS's batched GEMM (18.4-19.0 against 18.8
+us) and stays there.
 
 Deterministic (fixed split and summation order for a given shape) but not batch-invariant: a row's bits change
 when the batch crosses ``SKINNY_MAX_ROWS`` (cuBLAS above it); batch-invariant mode keeps ``triton_fixed``.
