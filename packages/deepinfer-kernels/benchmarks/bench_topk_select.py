@@ -10,10 +10,11 @@ entries, forced) against the stream (at 8K: the register kernel) and torch.topk,
 decode rows at the widths a step has them (bucketed block tables: 5120 entries at 4K tokens, 33792 at 32K), the
 registers as a power of two plus a tail against the next power of two, with a table. ``--model``: the 32K rows
 as the models pass them (lengths, V4.1's candidate mask, indexer-like scores), warm and cold (after an L2 flush).
-``--grid``: the grid kernel's piece sizes against the kernel a decode row takes without it.
+``--grid``: the grid kernel's piece sizes against the kernel a decode row takes without it. ``--row-map``: a CSA
+decode step's attention row table, made by ``indexer_topk`` with a ``row_map`` against the top-k then ``paged_rows``.
 
 Run from the repository root: ``python packages/deepinfer-kernels/benchmarks/bench_topk_select.py [--long |
---buckets | --model | --grid]``.
+--buckets | --model | --grid | --row-map]``.
 Writes ``benchmarks/results/bench_topk_select.jsonl``.
 """
 
@@ -34,8 +35,12 @@ def main() -> None:
     ap.add_argument("--buckets", action="store_true", help="only the decode rows at bucketed widths: tail vs pow2")
     ap.add_argument("--model", action="store_true", help="only the 32K decode rows as the models pass them")
     ap.add_argument("--grid", action="store_true", help="only the grid kernel's pieces on the decode rows")
+    ap.add_argument("--row-map", action="store_true", help="only the top-k writing the attention row table")
     args = ap.parse_args()
     rec = Recorder("bench_topk_select")
+    if args.row_map:
+        row_map_rows(rec)
+        return
     if args.grid:
         grid_rows(rec)
         return
@@ -205,6 +210,45 @@ def grid_rows(rec: Recorder) -> None:
                 table.append(f"{n:>6} {rows:>5} {name:>16} {warm:>8.1f} {cold:>8.1f}  same={same}")
                 print(table[-1], flush=True)
     print("\n== topk_select k = 512, grid kernel vs without (us)")
+    print("\n".join(table))
+
+
+def row_map_rows(rec: Recorder, timer=None) -> None:
+    """A V4 CSA decode step's attention row table [window rows | pool rows of the picks] (1 / 8 requests, 1024 /
+    8448 entries: 4K / 32K tokens; a 128-row window prefix; 64 entries a block, each request its own table): the
+    top-k with ``row_map`` (one launch) against the top-k then ``paged_rows`` (two), warm and cold (``graph_us`` /
+    ``cold_us``; ``timer``: (warm, cold) callables, for a smoke run), and whether the two tables are the same bits.
+    A table last."""
+    from deepinfer_kernels.ops.cache_rows import paged_rows
+    from deepinfer_kernels.ops.indexer import indexer_topk
+
+    warm_of, cold_of = timer or (graph_us, cold_us)
+    dev = "cuda" if timer is None else "cpu"
+    table = []
+    for n, vis in ((1024, 1024), (8448, 8192)):
+        for rows in (1, 8):
+            g = torch.Generator(device=dev).manual_seed(n + rows)
+            x = torch.relu(torch.randn(rows, 1, n, generator=g, device=dev))
+            visible = torch.full((rows, 1), vis, dtype=torch.int64, device=dev)
+            blocks = -(-n // 64)
+            tables = torch.randperm(rows * blocks * 2, generator=g, device=dev)[: rows * blocks].view(rows, blocks)
+            prefix = torch.randint(0, 1 << 20, (rows, 128), generator=g, device=dev)
+            row_map = (tables, 64, 128 * rows, prefix)
+
+            def fused(x=x, v=visible, m=row_map):
+                return indexer_topk(x, v, K, row_map=m)[:, 0]
+
+            def two(x=x, v=visible, t=tables, p=prefix, rows=rows):
+                return paged_rows(indexer_topk(x, v, K)[:, 0], t, 64, 128 * rows, prefix=p)
+
+            same = torch.equal(fused(), two())
+            for name, fn in (("top-k + paged_rows", two), ("top-k with row_map", fused)):
+                warm, cold = warm_of(fn), cold_of(fn)
+                rec.add(case="row_map", n=n, rows=rows, impl=name, warm_us=warm, cold_us=cold, same=same)
+                table.append(f"{n:>6} {rows:>5} {name:>20} {warm:>8.1f} {cold:>8.1f}  same={same}")
+                print(table[-1], flush=True)
+    print("\n== a CSA decode step's attention row table, k = 512 (us)")
+    print(f"{'n':>6} {'rows':>5} {'impl':>20} {'warm':>8} {'cold':>8}")
     print("\n".join(table))
 
 
