@@ -270,8 +270,8 @@ class DecodeBatch:
         second segment of an attention row table, after ``offset`` window rows): what attention reads in place.
         ``ids`` = K: entries 0 .. K - 1; ``limit`` [rows]: entries at or past it are -1; ``prefix`` [rows, P]: put
         in front (the window's rows: the whole attention row table, [rows, P + K]). One kernel (``paged_rows``)."""
-        rpb = self.kv[key].rows_per_block
-        return paged_rows(ids, self["tables"], rpb, offset, limit=limit, prefix=prefix)
+        tables, rpb, offset, prefix = self.pool_row_map(key, offset, prefix)
+        return paged_rows(ids, tables, rpb, offset, limit=limit, prefix=prefix)
 
     def pool_row_map(
         self, key: object, offset: int = 0, prefix: torch.Tensor | None = None
