@@ -74,9 +74,10 @@ def test_fp8_linear_refuses_a_k_not_multiple_of_the_block():
         Linear(48, 8, torch.float32).quantize_fp8_(32)
 
 
-@pytest.mark.parametrize("gather_max", [0, 10**6])
-def test_mxfp4_experts_match_the_dequantised_reference(gather_max, monkeypatch):
-    monkeypatch.setattr(moe_ops, "GATHER_MAX_ROWS", gather_max)  # sorted (prefill) / gathered (decode) layout
+@pytest.mark.parametrize("experts_per_row", [10**9, 0])
+def test_mxfp4_experts_match_the_dequantised_reference(experts_per_row, monkeypatch):
+    # sorted (prefill) / gathered (decode) layout
+    monkeypatch.setattr(moe_ops, "MXFP4_GATHER_EXPERTS_PER_ROW", experts_per_row)
     g = torch.Generator().manual_seed(1)
     e, inter, d, t, k = 16, 64, 128, 40, 6
     ex = Experts(e, inter, d, torch.float32)

@@ -206,6 +206,10 @@ def test_gpu_gather_real_shapes(v41_experts, t):
     y = backend.mxfp4_grouped_gemm_gather_triton(h, w2, s2, ids)
     y_ref = reference("mxfp4_grouped_gemm_gather")(h, w2, s2, ids, out_dtype=torch.float32)
     assert_rel_close(y, y_ref, 1e-2, f"gather down, {t} tokens")
+    # an fp32 input (the MoE layer's hidden state): the kernel rounds the operand to bf16, the reference does not
+    y = backend.mxfp4_grouped_gemm_gather_triton(h_ref, w2, s2, ids, out_dtype=torch.float32)
+    y_ref = reference("mxfp4_grouped_gemm_gather")(h_ref, w2, s2, ids, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref, 1e-2, f"gather down from fp32, {t} tokens")
 
 
 @pytest.mark.gpu

@@ -1,36 +1,43 @@
 """Triton backends of the MXFP4 expert GEMMs (Hopper, sm_90: weights dequantised in registers).
 
-Weight tiles are unpacked from bytes (low nibble = even column), decoded from the E2M1 bit fields to fp32
-(exact), multiplied by the UE8M0 scale (exact) and rounded to bf16 (exact: 2 mantissa bits), then fed to
-the bf16 tensor cores with fp32 accumulation. Fused epilogue: clamped SwiGLU (gate = row n, up = row
-n + N/2 of the expert's weights, two accumulators sharing each x tile) and the per-row scale.
+Both kernels multiply on the bf16 tensor cores with fp32 accumulation through ``tl.dot_scaled`` (bf16
+activations, E2M1 weights with their UE8M0 scales): Triton unpacks each weight tile (low nibble = even column)
+to bf16 with byte permutes, multiplies the scale in (exact: an E2M1 value times a power of two fits bf16) and
+issues the MMA with the weights as the wide operand, so a few rows cost no more MMA work than one. Products are
+exact; results differ from the reference (fp32 products and sums) only in the order of the fp32 sums. Fused
+epilogue: clamped SwiGLU (gate = row n, up = row n + N/2 of the expert's weights, two accumulators sharing each
+x tile) and the per-row scale.
 
 * contiguous (prefill): a program owns BLOCK_M rows of one expert and BLOCK_N output columns; the tile list
   (expert, first row, end row) is built on the device from the offsets (no host synchronisation); grid =
   ceil(R / BLOCK_M) + E tile slots, empty slots return at once;
-* gather (decode): a program owns one row and BLOCK_N columns (a GEMV on the CUDA cores: at decode sizes
-  the weight bytes, not the MMA, bound the time).
+* gather (decode): a program owns one row (lane 0 of a BLOCK_M-row MMA tile, the other lanes masked off) and
+  BLOCK_N columns: the weight bytes and their unpacking, not the padded MMA rows, bound the time.
+
+Two UE8M0 codes are outside what the unpacking honours: scale byte 0 (2^-127, a bf16 subnormal) makes its block
+zero, and 255 (NaN) makes it inf; ``mxfp4_quantize`` produces neither (its amax floor keeps the exponent
+positive), and neither occurs in the released checkpoints. Under the CPU interpreter, which has no
+``dot_scaled``, the kernels decode the tiles with integer ops to fp32 and take IEEE fp32 dots of the same values.
 
 Tilings are module constants (GROUPED_CFG, GATHER_CFG), never chosen from the number of rows, and there is
 no split-K: rows are independent and each element's reduction order is fixed, so both are registered
 batch-invariant (the GPU tests check a token alone against the same token among 64, bitwise).
 
-Measured on an H200 (2026-11-29, first version, untuned): gather gate/up + down at 1 token ~150 + 90 us
-(about 0.5 TB/s of weights: bound by the in-register dequantisation on the CUDA cores, not by HBM);
-contiguous at 4096 tokens ~14 ms + 7 ms (about 80 TFLOP/s). ``bench_mxfp4_grouped_gemm.py --sweep`` times
-other tilings.
+Measured on an H200 (session 27, ``bench_mxfp4_grouped_gemm.py --quick``, V4.1-Flash shapes, cold weights; us, %
+of copy): decode gather at 1 token gate/up + down 80.7 + 41.7 (22%; the first version, fp32 products on the CUDA
+cores, 149.5 + 91.2); contiguous at 64 tokens (384 rows over ~250 experts) 3010 + 1442 (25%; 9180 + 4349), at 4096
+tokens 6626 + 3188 (181 TFLOP/s, 25% of bf16; 14260 + 6723). Both are bound by the unpacking on the CUDA cores (its
+PTX reads the codes and scales from shared memory byte by byte), not by HBM or the tensor cores.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
@@ -69,15 +76,6 @@ def _mxfp4_tile(w_ptr, s_ptr, rn, n_ok, k0, KH, KS, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _dot_bf16(x, w, acc, F32_DOT: tl.constexpr):
-    """acc + x . w^T with bf16-exact operands. F32_DOT (the CPU interpreter only: Triton 3.6's interpreter
-    reads bf16 dot operands as raw integers) multiplies the same values as fp32 in IEEE mode instead."""
-    if F32_DOT:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
-
-
-@triton.jit
 def _epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, HAS_RS: tl.constexpr):
     if FUSE:
         g = acc_g
@@ -94,11 +92,47 @@ def _epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, lim
 
 
 @triton.jit
+def _mxfp4_dot(x, w_ptr, s_ptr, rn, n_ok, k0, KH, KS, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EMULATE: tl.constexpr):  # fmt: skip
+    """acc + x . W[rn, k0 : k0 + BLOCK_K]^T: x [BLOCK_M, BLOCK_K] bf16, W the MXFP4 rows rn of one expert
+    (packed codes at w_ptr, KH bytes a row; UE8M0 scales at s_ptr, KS a row). EMULATE: the interpreter's path."""
+    if EMULATE:
+        w = _mxfp4_tile(w_ptr, s_ptr, rn, n_ok, k0, KH, KS, BLOCK_N, BLOCK_K)
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    rkh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_ptr + rn[:, None] * KH + rkh[None, :], mask=n_ok[:, None], other=0)
+    rks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(s_ptr + rn[:, None] * KS + rks[None, :], mask=n_ok[:, None], other=127)
+    return tl.dot_scaled(x, None, "bf16", tl.trans(packed), sc, "e2m1", acc, fast_math=True)
+
+
+@triton.jit
+def _rows_gemm(
+    x_ptr, we_ptr, se_ptr, in_rows, m_ok, rn, n_ok, N_OUT, K,
+    FUSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """(gate or plain, up) fp32 [BLOCK_M, BLOCK_N] accumulators of input rows ``in_rows`` against the expert whose
+    codes / scales start at we_ptr / se_ptr; K walked in order in BLOCK_K steps."""
+    KH = K // 2
+    KS = K // 32
+    rk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + in_rows[:, None] * K + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        x = x.to(tl.bfloat16)  # the operand is rounded to bf16 (fp16 / fp32 inputs)
+        acc_g = _mxfp4_dot(x, we_ptr, se_ptr, rn, n_ok, k0, KH, KS, acc_g, BLOCK_N, BLOCK_K, EMULATE)
+        if FUSE:
+            acc_u = _mxfp4_dot(x, we_ptr, se_ptr, rn + N_OUT, n_ok, k0, KH, KS, acc_u, BLOCK_N, BLOCK_K, EMULATE)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _grouped_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
     N_OUT, K, limit,
     FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
@@ -112,22 +146,12 @@ def _grouped_kernel(
         m_ok = rm < r1
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N_OUT
-        KH = K // 2
-        KS = K // 32
         n_rows = 2 * N_OUT if FUSE else N_OUT
-        we_ptr = w_ptr + e.to(tl.int64) * n_rows * KH
-        se_ptr = s_ptr + e.to(tl.int64) * n_rows * KS
-        rk = tl.arange(0, BLOCK_K)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-            x = x.to(tl.bfloat16)
-            wg = _mxfp4_tile(we_ptr, se_ptr, rn, n_ok, k0, KH, KS, BLOCK_N, BLOCK_K).to(tl.bfloat16)
-            acc_g = _dot_bf16(x, wg, acc_g, F32_DOT)
-            if FUSE:
-                wu = _mxfp4_tile(we_ptr, se_ptr, rn + N_OUT, n_ok, k0, KH, KS, BLOCK_N, BLOCK_K).to(tl.bfloat16)
-                acc_u = _dot_bf16(x, wu, acc_u, F32_DOT)
+        we_ptr = w_ptr + e.to(tl.int64) * n_rows * (K // 2)
+        se_ptr = s_ptr + e.to(tl.int64) * n_rows * (K // 32)
+        acc_g, acc_u = _rows_gemm(
+            x_ptr, we_ptr, se_ptr, rm, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
+        )
         rs = 1.0
         if HAS_RS:
             rs = tl.load(rs_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
@@ -141,53 +165,48 @@ def _gather_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr,
     N_OUT, K, limit,
     FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr, HAS_INDEX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    p = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0).to(tl.int64)  # axis 0 walks the rows (no 65535 limit on their number)
+    pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + p).to(tl.int64)
     src = p
     if HAS_INDEX:
         src = tl.load(index_ptr + p).to(tl.int64)
+    lane = tl.arange(0, BLOCK_M)
+    m_ok = lane == 0  # row p in lane 0; the other lanes read nothing and store nothing
+    in_rows = tl.where(m_ok, src, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N_OUT
-    KH = K // 2
-    KS = K // 32
     n_rows = 2 * N_OUT if FUSE else N_OUT
-    we_ptr = w_ptr + e * n_rows * KH
-    se_ptr = s_ptr + e * n_rows * KS
-    rk = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # the operand is rounded to bf16 as in the tensor-core path; products and sums in fp32
-        x = tl.load(x_ptr + src * K + k0 + rk).to(tl.bfloat16).to(tl.float32)
-        wg = _mxfp4_tile(we_ptr, se_ptr, rn, n_ok, k0, KH, KS, BLOCK_N, BLOCK_K)
-        acc_g += tl.sum(wg * x[None, :], axis=1)
-        if FUSE:
-            wu = _mxfp4_tile(we_ptr, se_ptr, rn + N_OUT, n_ok, k0, KH, KS, BLOCK_N, BLOCK_K)
-            acc_u += tl.sum(wu * x[None, :], axis=1)
+    we_ptr = w_ptr + e * n_rows * (K // 2)
+    se_ptr = s_ptr + e * n_rows * (K // 32)
+    acc_g, acc_u = _rows_gemm(
+        x_ptr, we_ptr, se_ptr, in_rows, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
+    )
     rs = 1.0
     if HAS_RS:
-        rs = tl.load(rs_ptr + p).to(tl.float32)
+        rs = tl.load(rs_ptr + p + lane * 0, mask=m_ok, other=0.0).to(tl.float32)[:, None]
     y = _epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
-    tl.store(out_ptr + p * N_OUT + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out_ptrs = out_ptr + (p + lane)[:, None] * N_OUT + rn[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Tilings, fixed whatever the row count (the batch-invariant property). Grouped: 128 rows per program halve
-# the dequantisation work per MMA flop against 64 (prefill is bound by the in-register dequantisation, not the
-# tensor cores). BLOCK_K must divide K (it falls back to 32). The benchmark's --sweep mutates these dicts.
-GROUPED_CFG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_N_SWIGLU": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
-GATHER_CFG = {"BLOCK_N": 64, "BLOCK_N_SWIGLU": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# Tilings, fixed whatever the row count (the batch-invariant property). BLOCK_K must divide K (it falls back to
+# 128, then 32). Session 27's sweep (H200, cold weights, V4 and V4.1 shapes at 1 / 8 tokens; 64 / 4096 for the
+# contiguous layout): gather 64 columns, 4 warps, 3 stages; contiguous 64-row tiles, 4 warps. The benchmark's --sweep
+# mutates these dicts.
+GROUPED_CFG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_SWIGLU": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+GATHER_CFG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_N_SWIGLU": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
 def _block_k(k: int, want: int) -> int:
-    return want if k % want == 0 else 32
+    for bk in (want, 128, 32):
+        if k % bk == 0:
+            return bk
+    raise ValueError(f"K = {k} is not a multiple of 32")
 
 
 def _prep(x, w, w_scale, fuse_swiglu, row_scale):
@@ -217,7 +236,7 @@ def mxfp4_grouped_gemm_triton(
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=_interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EMULATE=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
@@ -246,12 +265,12 @@ def mxfp4_grouped_gemm_gather_triton(
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
     bk = _block_k(k, cfg["BLOCK_K"])
     idx = row_index.contiguous() if row_index is not None else row_expert
-    grid = (triton.cdiv(n_out, bn), p)
+    grid = (p, triton.cdiv(n_out, bn))
     _gather_kernel[grid](
         xs, wb, sb, out, rs, row_expert.contiguous(), idx, n_out, k,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        HAS_INDEX=row_index is not None, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_INDEX=row_index is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, EMULATE=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
