@@ -178,7 +178,8 @@ class Mxfp4Experts:
 # MXFP4 experts take the gathered (decode) layout while there is at most one (token, slot) row per
 # MXFP4_GATHER_EXPERTS_PER_ROW experts, as the dense path (``moe.triton.gather_layout``): there each row streams its
 # expert's weights, so rows sharing an expert multiply the bytes. H200, V4.1-Flash, 64 tokens (384 rows over ~250
-# experts), gate/up + down: gathered ~24 ms against sorted 4.6 ms (session 27); 512 rows had been the bound before.
+# experts), gate/up + down: gathered 5.06 ms against sorted 4.45 ms (``bench_mxfp4_grouped_gemm.py --quick``,
+# session 27); 512 rows had been the bound before.
 MXFP4_GATHER_EXPERTS_PER_ROW = 10
 
 
