@@ -108,13 +108,16 @@ def _mxfp4_dot(x, w_ptr, s_ptr, rn, n_ok, k0, KH, KS, acc, BLOCK_N: tl.constexpr
 
 @triton.jit
 def _rows_gemm(
-    x_ptr, we_ptr, se_ptr, in_rows, m_ok, rn, n_ok, N_OUT, K,
+    x_ptr, w_ptr, s_ptr, e, in_rows, m_ok, rn, n_ok, N_OUT, K,
     FUSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """(gate or plain, up) fp32 [BLOCK_M, BLOCK_N] accumulators of input rows ``in_rows`` against the expert whose
-    codes / scales start at we_ptr / se_ptr; K walked in order in BLOCK_K steps."""
+    """(gate or plain, up) fp32 [BLOCK_M, BLOCK_N] accumulators of input rows ``in_rows`` against expert ``e``
+    (int64) of the stacks at w_ptr / s_ptr; K walked in order in BLOCK_K steps."""
     KH = K // 2
     KS = K // 32
+    n_rows = 2 * N_OUT if FUSE else N_OUT
+    we_ptr = w_ptr + e * n_rows * KH
+    se_ptr = s_ptr + e * n_rows * KS
     rk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -146,11 +149,8 @@ def _grouped_kernel(
         m_ok = rm < r1
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N_OUT
-        n_rows = 2 * N_OUT if FUSE else N_OUT
-        we_ptr = w_ptr + e.to(tl.int64) * n_rows * (K // 2)
-        se_ptr = s_ptr + e.to(tl.int64) * n_rows * (K // 32)
         acc_g, acc_u = _rows_gemm(
-            x_ptr, we_ptr, se_ptr, rm, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
+            x_ptr, w_ptr, s_ptr, e.to(tl.int64), rm, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
         )
         rs = 1.0
         if HAS_RS:
@@ -180,11 +180,8 @@ def _gather_kernel(
     in_rows = tl.where(m_ok, src, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N_OUT
-    n_rows = 2 * N_OUT if FUSE else N_OUT
-    we_ptr = w_ptr + e * n_rows * (K // 2)
-    se_ptr = s_ptr + e * n_rows * (K // 32)
     acc_g, acc_u = _rows_gemm(
-        x_ptr, we_ptr, se_ptr, in_rows, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
+        x_ptr, w_ptr, s_ptr, e, in_rows, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
     )
     rs = 1.0
     if HAS_RS:
