@@ -213,6 +213,39 @@ def test_gpu_gather_real_shapes(v41_experts, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_gpu_gather_gluon_real_shapes(v41_experts, t):
+    """The Gluon decode kernel (dispatch's choice on sm_90) against the reference, and a token's rows alone
+    equal to its rows among t tokens, bitwise."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
+
+    w13, s13, w2, s2 = v41_experts
+    x, experts, weights = _tokens(t, seed=200 + t)
+    ids = experts.flatten()
+    kw = dict(row_index=torch.arange(t * TOP_K, device="cuda") // TOP_K, fuse_swiglu=True, swiglu_limit=LIMIT,
+              row_scale=weights.flatten())  # fmt: skip
+    h = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, **kw)
+    h_ref = reference("mxfp4_grouped_gemm_gather")(x, w13, s13, ids, **kw, out_dtype=torch.float32)
+    assert_rel_close(h, h_ref, 1e-2, f"gluon gather gate/up, {t} tokens")
+    h32 = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, **kw, out_dtype=torch.float32)
+    assert_rel_close(h32, h_ref, 1e-5, f"gluon gather gate/up fp32 out, {t} tokens")
+    y = backend.mxfp4_grouped_gemm_gather_gluon(h, w2, s2, ids, out_dtype=torch.float32)
+    y_ref = reference("mxfp4_grouped_gemm_gather")(h, w2, s2, ids, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref, 1e-5, f"gluon gather down, {t} tokens")
+    # N not a multiple of the 64-row tile, and a K the kernel does not serve (falls back to the Triton kernel)
+    y = backend.mxfp4_grouped_gemm_gather_gluon(h, w2[:, :1000], s2[:, :1000], ids, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref[:, :1000], 1e-5, "gluon gather down, N = 1000")
+    yk = backend.mxfp4_grouped_gemm_gather_gluon(h[:, :2240], w2[:, :, :1120], s2[:, :, :70], ids)
+    yk_ref = reference("mxfp4_grouped_gemm_gather")(h[:, :2240], w2[:, :, :1120], s2[:, :, :70], ids)
+    assert_rel_close(yk, yk_ref.float(), 1e-2, "gluon gather, K = 2240 (Triton fallback)")
+    last = slice((t - 1) * TOP_K, t * TOP_K)
+    one = backend.mxfp4_grouped_gemm_gather_gluon(x[t - 1 :], w13, s13, ids[last], fuse_swiglu=True,
+                                                  swiglu_limit=LIMIT, row_index=torch.zeros(6, dtype=torch.long,
+                                                  device="cuda"), row_scale=weights.flatten()[last])  # fmt: skip
+    assert_bitwise(one, h[last], f"gluon gather: token {t - 1} alone vs among {t}")
+
+
+@pytest.mark.gpu
 def test_gpu_batch_invariant(v41_experts):
     """A token's rows alone (M = 1 token) equal its rows among 64 tokens, bitwise, in both layouts."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as backend

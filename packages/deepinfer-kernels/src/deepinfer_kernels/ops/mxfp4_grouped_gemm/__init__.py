@@ -133,5 +133,9 @@ try:  # GPU backends register themselves when Triton imports
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass
+try:  # the decode kernel in Gluon (Triton >= 3.4)
+    from . import gluon as _gluon  # noqa: F401
+except ImportError:
+    pass
 
 __all__ = ["mxfp4_grouped_gemm", "mxfp4_grouped_gemm_gather"]
