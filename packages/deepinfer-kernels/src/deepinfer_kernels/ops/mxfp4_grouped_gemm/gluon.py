@@ -1,5 +1,5 @@
 """Gluon backend of the gathered (decode) MXFP4 expert GEMM: weights dequantised in registers straight into the
-``mma.sync`` operand layout (sm_80+; tuned on the H200).
+``mma.sync`` operand layout (registered for sm_90+, where it was tuned and tested: the H200).
 
 Why not ``tl.dot_scaled`` (the Triton backend): on Hopper it unpacks each weight tile through shared memory with
 byte-wise reads, which bounds a decode GEMV at ~22% of the copy rate. Here nothing goes through shared memory:
