@@ -58,7 +58,10 @@ def _dot_exact(x, w, acc, TERMS: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, HAS_RS: tl.constexpr):
+def expert_epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, HAS_RS: tl.constexpr):
+    """An expert GEMM's fp32 result: with FUSE the clamped SwiGLU of the (gate, up) accumulators (``swiglu_clamp``'s
+    formula, ``tl.exp``), else the plain accumulator; then times the row scale ``rs`` with HAS_RS. Shared by the
+    grouped GEMM backends (bf16 / FP8 and MXFP4, Triton and Gluon)."""
     if FUSE:
         g = acc_g
         u = acc_u
@@ -127,7 +130,7 @@ def _grouped_kernel(
         rs = 1.0
         if HAS_RS:
             rs = tl.load(rs_ptr + out_rows, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-        y = _epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
+        y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
         out_ptrs = out_ptr + out_rows[:, None] * N_OUT + rn[None, :]
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

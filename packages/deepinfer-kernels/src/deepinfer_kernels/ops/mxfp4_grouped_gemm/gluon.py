@@ -35,6 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 from deepinfer_kernels.registry import register_backend
 
 from .triton import mxfp4_grouped_gemm_gather_triton
@@ -125,17 +126,10 @@ def _gather_kernel(
         acc_g = _rows_dot(w_gate, s_gate, k0, kh, KH, KS, x_even, x_odd, acc_g)
         if FUSE:
             acc_u = _rows_dot(w_gate + N_OUT * KH, s_gate + N_OUT * KS, k0, kh, KH, KS, x_even, x_odd, acc_u)
-    if FUSE:
-        g = acc_g
-        u = acc_u
-        if HAS_LIMIT:
-            g = gl.minimum(g, limit)  # one-sided on the gate
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-        y = g / (1.0 + gl.exp(-g)) * u
-    else:
-        y = acc_g
+    rs = 1.0
     if HAS_RS:
-        y = y * gl.load(rs_ptr + p).to(gl.float32)
+        rs = gl.load(rs_ptr + p).to(gl.float32)
+    y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)  # a triton.jit helper: Gluon calls it
     ro = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     no = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     out_ptrs = out_ptr + p * N_OUT + ro[:, None] + no[None, :]

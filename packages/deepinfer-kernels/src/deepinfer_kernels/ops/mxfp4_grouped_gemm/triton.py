@@ -38,6 +38,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options
+from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
@@ -73,22 +74,6 @@ def _mxfp4_tile(w_ptr, s_ptr, rn, n_ok, k0, KH, KS, BLOCK_N: tl.constexpr, BLOCK
     sc = _e8m0_to_f32(tl.load(s_ptr + rn[:, None] * KS + rks[None, :], mask=n_ok[:, None], other=127))
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return vals * sc
-
-
-@triton.jit
-def _epilogue(acc_g, acc_u, rs, FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, HAS_RS: tl.constexpr):
-    if FUSE:
-        g = acc_g
-        u = acc_u
-        if HAS_LIMIT:
-            g = tl.minimum(g, limit)  # one-sided on the gate
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        y = g / (1.0 + tl.exp(-g)) * u
-    else:
-        y = acc_g
-    if HAS_RS:
-        y = y * rs
-    return y
 
 
 @triton.jit
@@ -155,7 +140,7 @@ def _grouped_kernel(
         rs = 1.0
         if HAS_RS:
             rs = tl.load(rs_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-        y = _epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
+        y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
         out_ptrs = out_ptr + rm[:, None] * N_OUT + rn[None, :]
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -186,7 +171,7 @@ def _gather_kernel(
     rs = 1.0
     if HAS_RS:
         rs = tl.load(rs_ptr + p + lane * 0, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    y = _epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
+    y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
     out_ptrs = out_ptr + (p + lane)[:, None] * N_OUT + rn[None, :]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
