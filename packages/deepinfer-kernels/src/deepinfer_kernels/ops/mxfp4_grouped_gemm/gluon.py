@@ -20,11 +20,12 @@ in the checkpoints or from ``mxfp4_quantize``. The tiling is fixed (never chosen
 program owns one row, so rows are independent bitwise (registered batch-invariant; the GPU tests check it).
 
 Shapes it serves: K a multiple of 256 (V4 / V4.1-Flash: 4096, 2048, 5120, 2304); others go to the Triton kernel.
-Measured on an H200 (session 28, CUDA graphs after a 256 MB copy, us, Triton -> this, % of copy): V4.1 one token
-gate/up 74.2 -> 65.8 (26.9%), down 36.3 -> 20.3 (43.7%); four tokens 263.3 -> 232.7, 103.6 -> 66.8 (48.6%); V4 one
-token 58.8 -> 53.9, 19.7 -> 16.1. Still bound by instruction issue (~3.5 instructions a weight: the unpack, the
-two multiplies, x's 32-bit loads) and by too few bytes in flight at one token (no cross-step prefetch: carried
-uint8 tiles cost a byte repack per step in registers); the next steps are in benchmarks/README.md.
+Measured on an H200 (session 28, ``bench_mxfp4_gather_cold.py``: CUDA graphs after a 256 MB copy; us, Triton ->
+this, % of copy): V4.1 one token gate/up 74.2 -> 65.8 (26.9%), down 36.3 -> 20.3 (43.7%); four tokens 263.3 ->
+232.7, 103.6 -> 66.8 (48.6%); V4 one token 58.8 -> 53.9, 19.7 -> 16.1. Still bound by instruction issue (~3.5
+instructions a weight: the unpack, the two multiplies, x's 32-bit loads) and by too few bytes in flight at one token
+(no cross-step prefetch: carried uint8 tiles cost a byte repack per step in registers); the next steps are in
+benchmarks/README.md.
 """
 
 from __future__ import annotations
