@@ -12,6 +12,7 @@ and cumulative time. Writes JSON.
     python benchmarks/profile_step.py --tiny --device cpu       # smoke run
     python benchmarks/profile_step.py --cuda-graphs --timeline --batches 1,64   # one graph step, kernel by kernel
     python benchmarks/profile_step.py --cuda-graphs --enqueue --batches 1,64,256  # host-bound or device-bound
+    python benchmarks/profile_step.py --quant fp8+fp4 --cuda-graphs --timeline   # released formats (FP8, MXFP4)
     python benchmarks/profile_step.py ... --set deepinfer_kernels.ops.linear_many.triton.DECODE_STAGES=4  # a tuning
 
 ``--enqueue`` (decode, CUDA): the host's time to plan and launch a step (until ``forward_step`` returns) against the
@@ -47,15 +48,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_model_slice import PAGE_TOKENS, decode_step, pipelined, prefill, rand_ids, sync, tiny_dims  # noqa: E402
 
 
-def _build(arch: str, dev: str, tiny: bool):
+def _build(arch: str, dev: str, tiny: bool, quant: str = "none"):
     from deepinfer_runtime.testing import model_slice as ms
 
     dims = tiny_dims(arch) if tiny else {}
     dtype = torch.float32 if tiny else torch.bfloat16
     if arch == "v4":
-        return ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct")
+        return ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct", quant=quant)
     cfg = ms.v41_slice_config(engram_vocab_size=100 if tiny else 200_000, **dims)
-    return ms.build_random_model(cfg, dev, dtype, experts="shared", yoco_mode="compact")
+    return ms.build_random_model(cfg, dev, dtype, experts="shared", quant=quant, yoco_mode="compact")
 
 
 def _summary(prof, steps: int, top: int, shapes: bool = False) -> dict:
@@ -263,6 +264,12 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true", help="group ops by input shapes (eager steps show them)")
     ap.add_argument("--timeline", action="store_true", help="decode on CUDA: one step's kernels in order, by family")
     ap.add_argument("--enqueue", action="store_true", help="decode on CUDA: host enqueue vs device time of a step")
+    ap.add_argument(
+        "--quant",
+        default="none",
+        choices=("none", "fp8+fp4"),
+        help="weights kept quantised in the model, as gpu_model_slice.py --quant",
+    )
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     ap.add_argument(
         "--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a tuning constant (tuning_overrides)"
@@ -277,7 +284,7 @@ def main() -> None:
 
     dev, gen, results = args.device, torch.Generator().manual_seed(0), {}
     for arch in args.models.split(","):
-        model = _build(arch, dev, args.tiny)
+        model = _build(arch, dev, args.tiny, args.quant)
         if args.phase == "prefill":
             ids = rand_ids(args.context, dev, gen)
 

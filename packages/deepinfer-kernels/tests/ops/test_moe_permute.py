@@ -93,13 +93,42 @@ def _sort_cases(cases, device: str, seed: int) -> None:
         for name, a, b in zip(("order", "offsets", "inverse", "row token", "row weight"), got, want, strict=True):
             assert a.dtype == b.dtype, f"{name} {what}"
             assert_bitwise(a, b, f"{name} {what} (with rows)")
-        for block_m in (16, 64, 128):
-            got = expert_tile_schedule(offsets, t * k, block_m)
-            want = expert_tile_schedule_ref(offsets, t * k, block_m)
+        for block_m, lo, hi in ((16, 0, None), (64, 0, None), (128, 0, None), (8, 0, 2), (64, 3, None), (8, 2, 5)):
+            got = expert_tile_schedule(offsets, t * k, block_m, min_rows=lo, max_rows=hi)
+            want = expert_tile_schedule_ref(offsets, t * k, block_m, min_rows=lo, max_rows=hi)
             assert got[3] == want[3], what
             for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
-                assert_bitwise(a, b, f"tile {name} {what} BLOCK_M={block_m}")
+                assert_bitwise(a, b, f"tile {name} {what} BLOCK_M={block_m} rows [{lo}, {hi}]")
     print("ok")
+
+
+def _covered(schedule, block_m):
+    """(row, expert) pairs of a tile list's tiles."""
+    tile_e, r0, r1, _ = schedule
+    return [(r, e) for e, a, b in zip(tile_e.tolist(), r0.tolist(), r1.tolist()) if e >= 0
+            for r in range(a, min(a + block_m, b))]  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", [0, 2, 16])
+def test_tile_lists_split_by_row_count(limit):
+    """Two tile lists with complementary row-count bounds (the MXFP4 Gluon / Triton split) cover every row once,
+    each in its own expert's tile, and stay within their slot counts."""
+    from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule_ref
+
+    for t, e, skew in ((1, 256, False), (64, 384, False), (256, 384, True), (0, 8, False)):
+        _, experts, _ = _case(t, e, 6, 1, seed=t + limit)
+        if skew:
+            experts = experts % 30
+        counts = torch.bincount(experts.flatten(), minlength=e)
+        offsets = torch.zeros(e + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(counts, 0)
+        small = expert_tile_schedule_ref(offsets, t * 6, 8, max_rows=limit)
+        big = expert_tile_schedule_ref(offsets, t * 6, 64, min_rows=limit + 1)
+        rows = sorted(_covered(small, 8) + _covered(big, 64))
+        owner = torch.repeat_interleave(torch.arange(e), counts).tolist()
+        assert rows == list(enumerate(owner)), f"T={t} E={e} skew={skew} limit={limit}"
+        assert all(counts[x] <= limit for _, x in _covered(small, 8))
+        assert all(counts[x] > limit for _, x in _covered(big, 64))
 
 
 SORT_CASES = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]

@@ -157,6 +157,42 @@ INTERPRETED = {"swiglu-K128": ("_interp_grouped", (True, 128)), "plain-K96": ("_
 test_triton_interpreted = needs_triton(interpreted_cases_test(__file__, INTERPRETED))
 
 
+def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool) -> tuple[str, int]:
+    """The Gluon kernel compiled for sm_90 (PTX, not run: Gluon has no interpreter) as its launch specialises it."""
+    import triton
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {
+        "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32", "rs_ptr": "*fp32", "expert_ptr": "*i32",
+        "index_ptr": "*i64", "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32", "limit": "fp32",
+    }  # fmt: skip
+    cfg = backend.SORTED_CFG if sorted_rows else backend.GATHER_CFG
+    meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse and not sorted_rows,
+                BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"])  # fmt: skip
+    sig.update(dict.fromkeys(meta, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+    src = GluonASTSource(fn=backend._expert_rows_kernel, signature=sig, constexprs=meta, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    return k.asm["ptx"], k.metadata.shared
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("sorted_rows,fuse", [(False, True), (False, False), (True, True), (True, False)])
+def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse):
+    """The layouts lower (the x halves are the B operand without a shuffle: ``assert_trivial``), weights stream as
+    64-bit loads and x as 128-bit ones into bf16 ``mma.sync``, nothing spills, and shared memory is only the fused
+    epilogue's exchange."""
+    pytest.importorskip("triton.experimental.gluon")
+    ptx, shared = _gluon_ptx_sm90(sorted_rows, fuse)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert ptx.count("ld.global.v2.b32") >= 8, "weight bytes in 64-bit loads"
+    assert ptx.count("ld.global.v4.b32") >= 8, "x in 128-bit loads"
+    assert ".local" not in ptx, "register spills"
+    assert shared <= (1024 if fuse else 0), f"{shared} bytes of shared memory"
+
+
 # ---------------------------------------------------------------- (c) GPU, V4.1-Flash shapes
 
 
@@ -243,6 +279,53 @@ def test_gpu_gather_gluon_real_shapes(v41_experts, t):
                                                   swiglu_limit=LIMIT, row_index=torch.zeros(6, dtype=torch.long,
                                                   device="cuda"), row_scale=weights.flatten()[last])  # fmt: skip
     assert_bitwise(one, h[last], f"gluon gather: token {t - 1} alone vs among {t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 300])
+def test_gpu_sorted_gluon_real_shapes(v41_experts, t, monkeypatch):
+    """The Gluon sorted-layout kernel (8-row tiles of one expert) against the reference, a token's rows alone equal
+    to its rows among t tokens (bitwise); then the split dispatch uses on sm_90: experts with more than
+    MAX_EXPERT_ROWS rows (skewed routing) to the Triton kernel, and at a K the Gluon kernel does not serve."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
+
+    w13, s13, w2, s2 = v41_experts
+    ref = reference("mxfp4_grouped_gemm")
+    x, experts, weights = _tokens(t, seed=300 + t)
+    with monkeypatch.context() as mp:
+        mp.setattr(backend, "MAX_EXPERT_ROWS", 1 << 20)  # every expert in the Gluon kernel
+        xs, order, offsets = moe_permute(x, experts, EXPERTS)
+        kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
+        h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+        h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+        assert_rel_close(h32, h_ref, 1e-5, f"gluon sorted gate/up fp32 out, {t} tokens")
+        h = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
+        assert_rel_close(h, h_ref, 1e-2, f"gluon sorted gate/up, {t} tokens")
+        y = backend.mxfp4_grouped_gemm_gluon(h, w2, s2, offsets, out_dtype=torch.float32)
+        y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
+        assert_rel_close(y, y_ref, 1e-5, f"gluon sorted down, {t} tokens")
+        y = backend.mxfp4_grouped_gemm_gluon(h, w2[:, :1000], s2[:, :1000], offsets, out_dtype=torch.float32)
+        assert_rel_close(y, y_ref[:, :1000], 1e-5, f"gluon sorted down, N = 1000, {t} tokens")
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.shape[0], device="cuda")
+        tok = t - 1
+        xs1, order1, offsets1 = moe_permute(x[tok:], experts[tok:], EXPERTS)
+        one = backend.mxfp4_grouped_gemm_gluon(xs1, w13, s13, offsets1, fuse_swiglu=True, swiglu_limit=LIMIT,
+                                               row_scale=weights[tok:].flatten()[order1])  # fmt: skip
+        assert_bitwise(one[torch.argsort(order1)], h[pos[tok * TOP_K : (tok + 1) * TOP_K]], f"token {tok} alone")
+    # skewed routing: the first 40 experts, many of them with more than MAX_EXPERT_ROWS rows when t is large
+    xs, order, offsets = moe_permute(x, experts % 40, EXPERTS)
+    kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
+    h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    assert_rel_close(h32, h_ref, 1e-5, f"split gate/up, {t} tokens over 40 experts")
+    yk = backend.mxfp4_grouped_gemm_gluon(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
+    yk_ref = ref(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
+    assert_rel_close(yk, yk_ref.float(), 1e-2, f"gluon sorted, K = 2240 (Triton), {t} tokens")
+    monkeypatch.setattr(backend, "MAX_EXPERT_ROWS", 0)  # every expert in the Triton kernel
+    h_tr = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
+    assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "MAX_EXPERT_ROWS 0")
 
 
 @pytest.mark.gpu

@@ -18,15 +18,26 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 
 
-def expert_tile_schedule_ref(expert_offsets: torch.Tensor, rows: int, block_m: int):
+def _slots(rows: int, block_m: int, n_exp: int, min_rows: int) -> int:
+    """An upper bound on the tiles, from shapes only: ceil(R / BLOCK_M) plus one per expert that can have tiles
+    (at most E, at most R // max(min_rows, 1): each has that many rows)."""
+    return -(-rows // block_m) + min(n_exp, rows // max(min_rows, 1))
+
+
+def expert_tile_schedule_ref(
+    expert_offsets: torch.Tensor, rows: int, block_m: int, min_rows: int = 0, max_rows: int | None = None
+):
     """Device-side tile list for R = ``rows`` sorted rows: for tile slot i, (expert or -1, first row, end row),
-    as int32 tensors, and the slot count ceil(R / BLOCK_M) + E (an upper bound on the tiles, from shapes
-    only: slots past the last tile hold expert -1 and their programs return at once)."""
+    as int32 tensors, and the slot count (``_slots``: slots past the last tile hold expert -1 and their programs
+    return at once). Only experts with min_rows <= rows <= max_rows (None: no bound) get tiles, so two kernels
+    can split the experts by their row counts (each row in exactly one of two lists with complementary bounds)."""
     off = expert_offsets.to(torch.int64)
     n_exp = off.shape[0] - 1
-    tiles = torch.div(off[1:] - off[:-1] + block_m - 1, block_m, rounding_mode="floor")
+    cnt = off[1:] - off[:-1]
+    keep = (cnt >= min_rows) & (cnt <= (max_rows if max_rows is not None else rows))
+    tiles = torch.where(keep, torch.div(cnt + block_m - 1, block_m, rounding_mode="floor"), 0)
     cum = torch.cumsum(tiles, 0)
-    slots = -(-rows // block_m) + n_exp
+    slots = _slots(rows, block_m, n_exp, min_rows)
     i = torch.arange(slots, device=off.device)
     e = torch.searchsorted(cum, i, right=True)  # first expert whose tiles end after slot i
     valid = e < n_exp
@@ -38,7 +49,7 @@ def expert_tile_schedule_ref(expert_offsets: torch.Tensor, rows: int, block_m: i
 
 @triton.jit
 def _tile_schedule_kernel(
-    off_ptr, cum_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, E, SLOTS,
+    off_ptr, cum_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, E, SLOTS, MIN_ROWS, MAX_ROWS,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
@@ -48,7 +59,9 @@ def _tile_schedule_kernel(
     e_ok = e < E
     lo = tl.load(off_ptr + e, mask=e_ok, other=0).to(tl.int64)
     hi = tl.load(off_ptr + e + 1, mask=e_ok, other=0).to(tl.int64)
-    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # counts >= 0: truncation is the floor
+    cnt = hi - lo
+    keep = (cnt >= MIN_ROWS) & (cnt <= MAX_ROWS)
+    tiles = tl.where(keep, (cnt + BLOCK_M - 1) // BLOCK_M, 0)  # counts >= 0: truncation is the floor
     tl.store(cum_ptr + e, tl.cumsum(tiles, 0), mask=e_ok)
     tl.debug_barrier()  # the running sums are in memory before any thread gathers them
     for s0 in range(0, SLOTS, SB):
@@ -65,7 +78,8 @@ def _tile_schedule_kernel(
         ec = tl.minimum(a, E - 1)
         first = tl.load(off_ptr + ec).to(tl.int64)
         end = tl.load(off_ptr + ec + 1).to(tl.int64)
-        own = (end - first + BLOCK_M - 1) // BLOCK_M
+        n = end - first
+        own = tl.where((n >= MIN_ROWS) & (n <= MAX_ROWS), (n + BLOCK_M - 1) // BLOCK_M, 0)  # as the reference's
         r0 = first + (i - (tl.load(cum_ptr + ec) - own)) * BLOCK_M
         ok = i < SLOTS
         tl.store(tile_e_ptr + i, tl.where(a < E, ec, -1), mask=ok)
@@ -73,15 +87,18 @@ def _tile_schedule_kernel(
         tl.store(tile_r1_ptr + i, end.to(tl.int32), mask=ok)
 
 
-def expert_tile_schedule(expert_offsets: torch.Tensor, rows: int, block_m: int):
+def expert_tile_schedule(
+    expert_offsets: torch.Tensor, rows: int, block_m: int, min_rows: int = 0, max_rows: int | None = None
+):
     """``expert_tile_schedule_ref`` in one launch (same values, bitwise)."""
     n_exp = expert_offsets.shape[0] - 1
-    slots = -(-rows // block_m) + n_exp
+    slots = _slots(rows, block_m, n_exp, min_rows)
     dev = expert_offsets.device
     tile_e, tile_r0, tile_r1 = (torch.empty(slots, dtype=torch.int32, device=dev) for _ in range(3))
     cum = torch.empty(n_exp, dtype=torch.int64, device=dev)
     _tile_schedule_kernel[(1,)](
-        expert_offsets.contiguous(), cum, tile_e, tile_r0, tile_r1, n_exp, slots,
+        expert_offsets.contiguous(), cum, tile_e, tile_r0, tile_r1, n_exp, slots, min_rows,
+        max_rows if max_rows is not None else rows,
         BLOCK_M=block_m, EP=triton.next_power_of_2(n_exp), SB=256, STEPS=max(1, n_exp.bit_length()), num_warps=4,
         **pdl_options(expert_offsets.device),
     )  # fmt: skip

@@ -5,7 +5,7 @@ One kernel serves both layouts. A program owns a tile of BLOCK_M rows of one exp
 BLOCK_K steps in order and applies the epilogue (clamped SwiGLU, row scale) before one store:
 
 * contiguous (prefill): the tile list (expert, first row, end row) is built on the device from the offsets
-  (``grouped_tiles.expert_tile_schedule``: no host synchronisation); grid = ceil(R / BLOCK_M) + E tile slots,
+  (``grouped_tiles.expert_tile_schedule``: no host synchronisation); grid = its slots (ceil(R / BLOCK_M) + min(E, R)),
   empty slots return at once; with ``row_index`` a tile reads its input rows through it (the tokens in place);
 * gather (decode): tile p holds the single row p in its first lane (the other lanes are masked off, so the
   weight bytes, not the padded MMA rows, bound the time) and reads its input row through ``row_index``.

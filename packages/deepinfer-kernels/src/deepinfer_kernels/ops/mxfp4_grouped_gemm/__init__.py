@@ -133,7 +133,7 @@ try:  # GPU backends register themselves when Triton imports
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass
-try:  # the decode kernel in Gluon (Triton >= 3.4)
+try:  # the decode kernels in Gluon (Triton >= 3.4)
     from . import gluon as _gluon  # noqa: F401
 except ImportError:
     pass

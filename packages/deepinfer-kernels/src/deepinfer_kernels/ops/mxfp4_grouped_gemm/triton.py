@@ -10,7 +10,7 @@ x tile) and the per-row scale.
 
 * contiguous (prefill): a program owns BLOCK_M rows of one expert and BLOCK_N output columns; the tile list
   (expert, first row, end row) is built on the device from the offsets (no host synchronisation); grid =
-  ceil(R / BLOCK_M) + E tile slots, empty slots return at once;
+  ceil(R / BLOCK_M) + min(E, R) tile slots, empty slots return at once;
 * gather (decode): a program owns one row (lane 0 of a BLOCK_M-row MMA tile, the other lanes masked off) and
   BLOCK_N columns: the weight bytes and their unpacking, not the padded MMA rows, bound the time.
 
@@ -22,6 +22,10 @@ positive), and neither occurs in the released checkpoints. Under the CPU interpr
 Tilings are module constants (GROUPED_CFG, GATHER_CFG), never chosen from the number of rows, and there is
 no split-K: rows are independent and each element's reduction order is fixed, so both are registered
 batch-invariant (the GPU tests check a token alone against the same token among 64, bitwise).
+
+On sm_90 dispatch prefers the Gluon kernels (``gluon.py``, K % 256 == 0): the gathered layout, and in the sorted
+one the experts with at most ``gluon.MAX_EXPERT_ROWS`` rows; these kernels take the experts with more rows
+(``grouped_rows_into``: prefill) and the other shapes.
 
 Measured on an H200 (session 27, ``bench_mxfp4_grouped_gemm.py --quick``, V4.1-Flash shapes, cold weights; us, %
 of copy): decode gather at 1 token gate/up + down 80.7 + 41.7 (22%; the first version, fp32 products on the CUDA
@@ -204,15 +208,25 @@ def mxfp4_grouped_gemm_triton(
     x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
 ):
     """Contiguous layout (see module docstring)."""
+    n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
+    out = torch.empty(x.shape[0], n_out, dtype=out_dtype, device=x.device)
+    return grouped_rows_into(out, x, w, w_scale, expert_offsets, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
+                             row_scale=row_scale)  # fmt: skip
+
+
+def grouped_rows_into(
+    out, x, w, w_scale, expert_offsets, *, min_rows=0, fuse_swiglu=False, swiglu_limit=None, row_scale=None
+):
+    """The contiguous layout's rows of the experts that have at least ``min_rows`` rows, written into ``out``
+    ([R, N] or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these 64-row tiles."""
     n_out, xs, wb, sb, rs = _prep(x, w, w_scale, fuse_swiglu, row_scale)
     rows, k = x.shape
-    out = torch.empty(rows, n_out, dtype=out_dtype, device=x.device)
     if rows == 0 or n_out == 0:
         return out
     cfg = GROUPED_CFG
     bm, bk = cfg["BLOCK_M"], _block_k(k, cfg["BLOCK_K"])
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm)
+    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows)
     grid = (triton.cdiv(n_out, bn), slots)
     _grouped_kernel[grid](
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,
