@@ -183,7 +183,9 @@ def _launch(
     )  # fmt: skip
 
 
-def _out(rows, w, fuse_swiglu, out_dtype, device):
+def expert_out(rows, w, fuse_swiglu, out_dtype, device):
+    """The empty [rows, N] output of an expert GEMM over stacks ``w`` [E, N, ...] ([rows, N/2] with the fused
+    SwiGLU); shared by the grouped GEMM backends (bf16 / FP8 and MXFP4, Triton and Gluon)."""
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     return torch.empty(rows, n_out, dtype=out_dtype, device=device)
 
@@ -201,7 +203,7 @@ def grouped_gemm_triton(
     """Contiguous layout (see module docstring); with ``row_index`` the tiles read their rows of x in place.
     ``schedule``: ``expert_tile_schedule(expert_offsets, rows, grouped_block_m(w, rows))``, made already."""
     rows = x.shape[0] if row_index is None else row_index.shape[0]
-    out = _out(rows, w, fuse_swiglu, out_dtype, x.device)
+    out = expert_out(rows, w, fuse_swiglu, out_dtype, x.device)
     if rows == 0 or out.shape[1] == 0:
         return out
     if x.shape[1] == 0:  # every dot is 0, and so is silu(0) * 0
@@ -225,7 +227,7 @@ def grouped_gemm_gather_triton(
     if rows_per_input < 1 or (row_index is not None and rows_per_input != 1):
         raise ValueError(f"grouped_gemm_gather_triton: rows_per_input {rows_per_input} needs >= 1 and no row_index")
     p = row_expert.shape[0]
-    out = _out(p, w, fuse_swiglu, out_dtype, x.device)
+    out = expert_out(p, w, fuse_swiglu, out_dtype, x.device)
     if p == 0 or out.shape[1] == 0:
         return out
     if x.shape[1] == 0:  # every dot is 0, and so is silu(0) * 0

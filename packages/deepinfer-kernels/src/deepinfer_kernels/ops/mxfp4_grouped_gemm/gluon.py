@@ -42,11 +42,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
+from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
-from .triton import grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
+from .triton import _cuda_available, grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
 
 # $4: 4 packed bytes; $5, $6: 4 bf16 scales (two per register) -> $0 $1: the 4 low nibbles, $2 $3: the 4 high
 # nibbles, as bf16 pairs. t = [0, b0, 0, b1] puts a low nibble's magnitude 2 bits above bits 6..8 and its sign 4
@@ -245,9 +245,9 @@ def mxfp4_grouped_gemm_gather_gluon(
             x, w, w_scale, row_expert, row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
             row_scale=row_scale, out_dtype=out_dtype,
         )  # fmt: skip
-    n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     p = row_expert.shape[0]
-    out = torch.empty(p, n_out, dtype=out_dtype, device=x.device)
+    out = expert_out(p, w, fuse_swiglu, out_dtype, x.device)
+    n_out = out.shape[1]
     if p == 0 or n_out == 0:
         return out
     experts = row_expert.contiguous()
@@ -269,8 +269,8 @@ def mxfp4_grouped_gemm_gluon(
             x, w, w_scale, expert_offsets, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
             out_dtype=out_dtype,
         )  # fmt: skip
-    n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
-    out = torch.empty(rows, n_out, dtype=out_dtype, device=x.device)
+    out = expert_out(rows, w, fuse_swiglu, out_dtype, x.device)
+    n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
     tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=MAX_EXPERT_ROWS)
@@ -281,10 +281,6 @@ def mxfp4_grouped_gemm_gluon(
         grouped_rows_into(out, x, w, w_scale, expert_offsets, min_rows=MAX_EXPERT_ROWS + 1, fuse_swiglu=fuse_swiglu,
                           swiglu_limit=swiglu_limit, row_scale=row_scale)  # fmt: skip
     return out
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 register_backend(

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options
-from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
+from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
@@ -208,8 +208,7 @@ def mxfp4_grouped_gemm_triton(
     x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
 ):
     """Contiguous layout (see module docstring)."""
-    n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
-    out = torch.empty(x.shape[0], n_out, dtype=out_dtype, device=x.device)
+    out = expert_out(x.shape[0], w, fuse_swiglu, out_dtype, x.device)
     return grouped_rows_into(out, x, w, w_scale, expert_offsets, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
                              row_scale=row_scale)  # fmt: skip
 
