@@ -1,12 +1,14 @@
 """Microbenchmark of fp8_gemm_nt (block-scaled FP8 GEMM) on the GPU at V4.1-Flash / V4-Flash shapes.
 
-Run from the repository root:  python packages/deepinfer-kernels/benchmarks/bench_fp8_gemm.py [--quick]
+Run from the repository root:  python packages/deepinfer-kernels/benchmarks/bench_fp8_gemm.py [--quick] [--m 1,8,16]
 
 Measures in the same run the ceilings (copy GB/s, bf16 matmul and fp8 ``_scaled_mm`` TFLOP/s at 8192^3), then
-for each (N, K) and M in decode (1, 8, 64, 256) and prefill (4096, 8192) sizes: the Triton backends
-(``triton``: M-dependent tiles; ``triton_fixed``: batch-invariant) and the torch peers (dequantise A and B
+for each (N, K) and M in decode (1, 8, 16, 64, 256) and prefill (4096, 8192) sizes: the Triton backends
+(``triton``: M-dependent tiles; ``triton_fixed``: batch-invariant), the Gluon decode kernel (``gluon``: up to
+``GLUON_MAX_M`` rows, Triton's above) and the torch peers (dequantise A and B
 to bf16 + bf16 matmul, every call; bf16 matmul on pre-dequantised weights; ``_scaled_mm`` with row-wise
-scales, which is cheaper math than block scales). Prints TFLOP/s, GB/s (bytes of A, B, scales and C once) and
+scales, which is cheaper math than block scales); at decode sizes (M <= 64) also Triton and Gluon after a 256 MB
+copy (cold L2, as a decode step runs them). Prints TFLOP/s, GB/s (bytes of A, B, scales and C once) and
 % of the ceilings; appends JSON lines to benchmarks/results/fp8_gemm.jsonl; a short table last.
 """
 
@@ -19,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import Recorder, bench_ms, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from _bench_util import Recorder, bench_ms, cold_us, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from deepinfer_kernels.ops.fp8_gemm import gluon  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm import triton as backend  # noqa: E402
 from deepinfer_kernels.ops.quant.reference import act_dequant_fp8_ref, fp8_block_dequantize_ref  # noqa: E402
 
@@ -33,7 +36,7 @@ SHAPES = [
     ("v41.shared_w2", 5120, 2304, 32),
     ("v4.wq_b", 32768, 1024, 128),
 ]
-M_SIZES = [1, 8, 64, 256, 4096, 8192]
+M_SIZES = [1, 8, 16, 64, 256, 4096, 8192]
 
 
 def fp8_scaled_mm_ceiling(n: int = 8192) -> float:
@@ -64,6 +67,7 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
     cands = {
         "triton": lambda: backend.fp8_gemm_nt_triton(a, sa, b, sb, block),
         "triton_fixed": lambda: backend.fp8_gemm_nt_triton_fixed(a, sa, b, sb, block),
+        "gluon": lambda: gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block),
         "torch_dequant_mm": lambda: (
             act_dequant_fp8_ref(a, sa, block, torch.bfloat16)
             @ fp8_block_dequantize_ref(b, sb, (block, block), torch.bfloat16).T
@@ -74,14 +78,22 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
         ),
     }
     err = (backend.fp8_gemm_nt_triton(a, sa, b, sb, block).float() - ref.float()).norm() / ref.float().norm()
-    row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "triton_vs_fixed_rel": float(err)}
+    err_g = (gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block).float() - ref.float()).norm() / ref.float().norm()
+    row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "triton_vs_fixed_rel": float(err),
+           "gluon_vs_fixed_rel": float(err_g)}  # fmt: skip
     for cname, fn in cands.items():
         ms = bench_ms(fn)
         tf, gbs = flops / ms / 1e9, nbytes / ms / 1e6
         row[cname + "_us"] = ms * 1e3
         rec.add(kind="op", shape=name, M=m, N=n, K=k, block=block, impl=cname, us=ms * 1e3, TFLOPs=tf, GBps=gbs,
                 pct_fp8_peak=100 * tf / ceil["fp8_TFLOPs"], pct_copy=100 * gbs / ceil["copy_GBps"])  # fmt: skip
-    best = min(row["triton_us"], row["triton_fixed_us"])
+    for cname in ("triton", "gluon"):  # decode sizes as a step sees them: weights cold in L2 (``cold_us``)
+        row[cname + "_cold_us"] = cold_us(cands[cname], reps=5) if m <= 64 else float("nan")
+    if m <= 64:
+        row["%copy_cold"] = 100 * nbytes / min(row["triton_cold_us"], row["gluon_cold_us"]) / 1e3 / ceil["copy_GBps"]
+    else:
+        row["%copy_cold"] = float("nan")
+    best = min(row["triton_us"], row["triton_fixed_us"], row["gluon_us"])
     row["TFLOPs"] = flops / best / 1e6
     row["GBps"] = nbytes / best / 1e3
     row["%fp8"] = 100 * row["TFLOPs"] / ceil["fp8_TFLOPs"]
@@ -92,9 +104,12 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="three shapes, M in (1, 64, 4096)")
+    ap.add_argument("--m", default="", help="comma-separated M sizes (default: all)")
     args = ap.parse_args()
     shapes = SHAPES[::3] if args.quick else SHAPES
     m_sizes = [1, 64, 4096] if args.quick else M_SIZES
+    if args.m:
+        m_sizes = [int(v) for v in args.m.split(",")]
     ceil = {
         "copy_GBps": copy_ceiling_gbs(),
         "bf16_TFLOPs": matmul_ceiling_tflops(),
@@ -108,8 +123,9 @@ def main() -> None:
         wdq = fp8_block_dequantize_ref(*operands(1, n, k, block)[2:], (block, block), torch.bfloat16)
         for m in m_sizes:
             table.append(bench_case(rec, ceil, name, m, n, k, block, wdq))
-    print("\n== fp8_gemm_nt (us; TFLOP/s, GB/s and % of ceilings for the faster Triton variant)")
-    cols = ["shape", "M", "triton_us", "triton_fixed_us", "torch_dequant_mm_us", "torch_bf16_mm_us",
+    print("\n== fp8_gemm_nt (us; TFLOP/s, GB/s and % of ceilings for the fastest of ours)")
+    cols = ["shape", "M", "triton_us", "triton_fixed_us", "gluon_us", "triton_cold_us", "gluon_cold_us", "%copy_cold",
+            "torch_dequant_mm_us", "torch_bf16_mm_us",
             "scaled_mm_rowwise_us", "TFLOPs", "%fp8", "GBps", "%copy"]  # fmt: skip
     print("  ".join(f"{c:>12}" for c in cols))
     for r in table:

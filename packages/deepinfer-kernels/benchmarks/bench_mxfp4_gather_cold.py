@@ -3,11 +3,12 @@ host launch overhead: ``_bench_util.cold_us``), Triton (``tl.dot_scaled``) again
 sm_90), V4.1-Flash and V4-Flash shapes, top-6 random routing:
 
 * the gathered layout (``mxfp4_grouped_gemm_gather``) at 1 and 4 tokens;
-* the sorted layout (``mxfp4_grouped_gemm`` after ``moe_permute``; the tile schedule is inside the timed call) at
-  8, 64 and 256 tokens, the decode batches that take it.
+* the sorted layout (``mxfp4_grouped_gemm`` after ``moe_permute``; the tile schedules are inside the timed call) at
+  8, 64 and 256 tokens, the decode batches that take it, and at 256 tokens routed over 90 experts ("256/90": ~17
+  rows an expert, as the model slice's random routers give) and 1024 tokens (~16): the wgmma kernel's experts.
 
 Run from the repository root:  python packages/deepinfer-kernels/benchmarks/bench_mxfp4_gather_cold.py
-    [--gather-tokens 1,4] [--sorted-tokens 8,64,256] [--models v4.1,v4]
+    [--gather-tokens 1,4] [--sorted-tokens 8,64,256,256/90,1024] [--models v4.1,v4]
     [--set deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon.SORTED_CFG.BLOCK_N=32]   (a tiling: tuning_overrides)
 
 % of copy counts the weight bytes of the distinct experts hit (0.5 + 1/32 byte a weight). Appends JSON lines to
@@ -37,11 +38,12 @@ IMPLS = {
 }
 
 
-def _cases(layout, t, e, d, inter, weights):
-    """(proj, weight bytes read, args, kwargs) of the gate/up and down calls of t tokens in ``layout``."""
+def _cases(layout, t, e, d, inter, weights, hot=None):
+    """(proj, weight bytes read, args, kwargs) of the gate/up and down calls of t tokens in ``layout`` (routed
+    over the first ``hot`` experts when given)."""
     w13, s13, w2, s2 = weights
     x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-    experts = torch.rand(t, e, device="cuda").argsort(1)[:, :TOP_K]
+    experts = torch.rand(t, e, device="cuda").argsort(1)[:, :TOP_K] % (hot or e)
     rw = torch.rand(t, TOP_K, device="cuda")
     h = torch.randn(TOP_K * t, inter, device="cuda").to(torch.bfloat16)
     hit = len(set(experts.flatten().tolist()))
@@ -59,7 +61,7 @@ def _cases(layout, t, e, d, inter, weights):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gather-tokens", default="1,4")
-    ap.add_argument("--sorted-tokens", default="8,64,256")
+    ap.add_argument("--sorted-tokens", default="8,64,256,256/90,1024", help="T or T/experts hit")
     ap.add_argument("--models", default="v4.1,v4")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help="tuning_overrides")
     args = ap.parse_args()
@@ -76,18 +78,20 @@ def main() -> None:
         w2 = torch.randint(0, 256, (e, d, inter // 2), dtype=torch.uint8, device="cuda")
         s2 = torch.randint(118, 124, (e, d, inter // 32), dtype=torch.uint8, device="cuda")
         for layout, tokens in (("gather", args.gather_tokens), ("sorted", args.sorted_tokens)):
-            for t in [int(v) for v in tokens.split(",") if v]:
-                for proj, nbytes, fargs, kw in _cases(layout, t, e, d, inter, (w13, s13, w2, s2)):
+            for spec in [v for v in tokens.split(",") if v]:
+                t, _, hot = spec.partition("/")
+                t, hot = int(t), int(hot) if hot else None
+                for proj, nbytes, fargs, kw in _cases(layout, t, e, d, inter, (w13, s13, w2, s2), hot):
                     us = {
                         impl: cold_us(lambda fn=fn, a=fargs, k=kw: fn(*a, **k))
                         for impl, fn in zip(("triton", "gluon"), IMPLS[layout])
                     }
                     pct = {k: 100 * nbytes / v / 1e3 / ceil for k, v in us.items()}
                     for impl in us:
-                        rec.add(kind="op", model=name, layout=layout, T=t, proj=proj, impl=impl, us=us[impl],
-                                pct_copy=pct[impl])  # fmt: skip
+                        rec.add(kind="op", model=name, layout=layout, T=t, experts_hit=hot or e, proj=proj, impl=impl,
+                                us=us[impl], pct_copy=pct[impl])  # fmt: skip
                     table.append(
-                        f"{name:5} {layout:6} T={t:<3} {proj:8} "
+                        f"{name:5} {layout:6} T={spec:<7} {proj:8} "
                         + "  ".join(f"{k} {us[k]:8.1f} us ({pct[k]:4.1f}% copy)" for k in us)
                         + f"  x{us['triton'] / us['gluon']:.2f}"
                     )

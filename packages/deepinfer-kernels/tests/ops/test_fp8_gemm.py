@@ -171,6 +171,7 @@ def test_gpu_batch_invariant(block, shape):
 
 @pytest.mark.gpu
 def test_gpu_registry_choice():
+    from deepinfer_kernels.ops.fp8_gemm import gluon
     from deepinfer_kernels.registry import resolve, set_batch_invariant
 
     backend = _backends()
@@ -178,9 +179,69 @@ def test_gpu_registry_choice():
         set_batch_invariant(True)
         assert resolve("fp8_gemm_nt", "cuda") is backend.fp8_gemm_nt_triton_fixed
         set_batch_invariant(False)
-        assert resolve("fp8_gemm_nt", "cuda") is backend.fp8_gemm_nt_triton
+        assert resolve("fp8_gemm_nt", "cuda") is gluon.fp8_gemm_nt_gluon
     finally:
         set_batch_invariant(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", V41_SHAPES)
+def test_gpu_gluon_decode_sizes(shape):
+    """The Gluon MXFP8 decode kernel against the reference at 1, 5, 8 and 16 rows (fp16 MMA of exact FP8 values,
+    each K block's partial scaled in fp32: fp32 output within 1e-5), UE8M0 and float32 weight scales, N not a
+    multiple of the 64-row tile, rows bitwise the same alone and among 16 (its tiling ignores M); 17 rows and
+    block 128 through Triton (bitwise)."""
+    from deepinfer_kernels.ops.fp8_gemm import gluon
+
+    n, k = shape
+    block = 32
+    for scale_fmt in ("ue8m0", "float"):
+        a, sa, b, sb = make_operands(16, n, k, block, scale_fmt, seed=n + k + block, device="cuda")
+        ref = reference("fp8_gemm_nt")(a, sa, b, sb, block, torch.float32)
+        full = gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block, torch.float32)
+        assert_rel_close(full, ref, 1e-5, f"gluon 16x{n}x{k} {scale_fmt}")
+        for m in (1, 5, 8):
+            got = gluon.fp8_gemm_nt_gluon(a[-m:], sa[-m:], b, sb, block, torch.float32)
+            assert_bitwise(got, full[-m:], f"gluon: the last {m} rows alone vs among 16, {n}x{k}")
+        bf = gluon.fp8_gemm_nt_gluon(a[:5], sa[:5], b, sb, block)
+        assert_rel_close(bf, ref[:5], 1e-2, f"gluon bf16 out 5x{n}x{k}")
+    n2 = n - 24  # a partial last tile (and scale block)
+    got = gluon.fp8_gemm_nt_gluon(a[:3], sa[:3], b[:n2], sb[: -(-n2 // block)], block, torch.float32)
+    assert_rel_close(got, ref[:3, :n2], 1e-5, f"gluon N = {n2}")
+    a17, sa17, _, _ = make_operands(17, 8, k, block, "ue8m0", seed=3, device="cuda")
+    got = gluon.fp8_gemm_nt_gluon(a17, sa17, b, sb, block, torch.float32)
+    assert_bitwise(got, _backends().fp8_gemm_nt_triton(a17, sa17, b, sb, block, torch.float32), "17 rows: Triton")
+    a4, sa4, b4, sb4 = make_operands(4, 1024, 4096, 128, "float", seed=4, device="cuda")
+    got = gluon.fp8_gemm_nt_gluon(a4, sa4, b4, sb4, 128)
+    assert_bitwise(got, _backends().fp8_gemm_nt_triton(a4, sa4, b4, sb4, 128), "block 128: Triton")
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("block_scale", ["ue8m0", "float"])
+def test_gluon_kernel_compiles_for_sm90(block_scale):
+    """The decode kernel lowers for sm_90: FP8 weights and activations in 64-bit loads, converted by
+    ``cvt.rn.f16x2.e4m3x2`` into fp16 ``mma.sync``, no shared memory, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from deepinfer_kernels.ops.fp8_gemm import gluon
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv",
+        "bs_ptr": "*u8" if block_scale == "ue8m0" else "*fp32", "c_ptr": "*bf16",
+        "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
+    }  # fmt: skip
+    meta = dict(A_E8M0=False, B_E8M0=block_scale == "ue8m0", BLOCK_N=gluon.BLOCK_N, NUM_WARPS=gluon.NUM_WARPS)
+    sig.update(dict.fromkeys(meta, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}  # as a launch specialises K % 16
+    src = GluonASTSource(fn=gluon._fp8_rows_kernel, signature=sig, constexprs=meta, attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gluon.NUM_WARPS})
+    ptx = kern.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert ptx.count("ld.global.v2.b32") + ptx.count("ld.global.b64") >= 12, "FP8 bytes in 64-bit loads"
+    assert ".local" not in ptx and kern.metadata.shared == 0
 
 
 @pytest.mark.gpu

@@ -193,6 +193,40 @@ def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse):
     assert shared <= (1024 if fuse else 0), f"{shared} bytes of shared memory"
 
 
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
+    """The wgmma kernel lowers for sm_90 with its register A operand relabelled, not shuffled (no shared memory
+    but the two x tiles and the epilogue's exchange), weights in 64-bit loads, x in 128-bit ones, no spills, and
+    ptxas keeps a step's wgmma in one group (a wait after the loop made it wait after each wgmma)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_wgmma as backend
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {
+        "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "rs_ptr": "*fp32", "tile_e_ptr": "*i32",
+        "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32", "limit": "fp32",
+    }  # fmt: skip
+    cfg = backend.WGMMA_CFG
+    meta = dict(backend.wgmma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=not fuse)
+    sig.update(dict.fromkeys(meta, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
+    src = GluonASTSource(fn=backend._expert_rows_wgmma_kernel, signature=sig, constexprs=meta, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx
+    assert ptx.count("ld.global.v2.b32") >= 4, "weight bytes in 64-bit loads"
+    assert ptx.count("ld.global.v4.b32") >= 4, "x in 128-bit loads"
+    assert ".local" not in ptx, "register spills"
+    x_tiles = 2 * cfg["TN"] * cfg["BKH"] * 2
+    assert k.metadata.shared <= x_tiles, f"{k.metadata.shared} bytes of shared memory (x tiles: {x_tiles})"
+    sass = k.asm["sass"]
+    waits = sass.count("WARPGROUP.DEPBAR")
+    assert sass.count("HGMMA") == 2 * cfg["BKH"] // 16 and waits <= 2, f"wgmma serialised ({waits} waits)"
+
+
 # ---------------------------------------------------------------- (c) GPU, V4.1-Flash shapes
 
 
@@ -282,50 +316,73 @@ def test_gpu_gather_gluon_real_shapes(v41_experts, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("t", [1, 8, 64, 300])
-def test_gpu_sorted_gluon_real_shapes(v41_experts, t, monkeypatch):
-    """The Gluon sorted-layout kernel (8-row tiles of one expert) against the reference, a token's rows alone equal
-    to its rows among t tokens (bitwise); then the split dispatch uses on sm_90: experts with more than
-    MAX_EXPERT_ROWS rows (skewed routing) to the Triton kernel, and at a K the Gluon kernel does not serve."""
+def test_gpu_sorted_gluon_real_shapes(v41_experts, t, kernel, monkeypatch):
+    """Each Gluon sorted-layout kernel alone (the 8-row mma.sync tiles, or the 32-row wgmma tiles) against the
+    reference, and a token's rows alone equal to its rows among t tokens (bitwise)."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
+
+    if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma is sm_90 only")
+    every = 1 << 20
+    if kernel == "mma":  # below WGMMA_FROM_ROWS: every expert in the 8-row tiles
+        monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", every)
+        monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", every)
+    else:
+        monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 0)
+        monkeypatch.setattr(backend, "MMA_MAX_ROWS", 0)
+        monkeypatch.setattr(backend, "WGMMA_MAX_ROWS", every)
+    w13, s13, w2, s2 = v41_experts
+    ref = reference("mxfp4_grouped_gemm")
+    x, experts, weights = _tokens(t, seed=300 + t)
+    xs, order, offsets = moe_permute(x, experts % (EXPERTS if t < 64 else 40), EXPERTS)  # t >= 64: ~10-45 rows
+    kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
+    h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    assert_rel_close(h32, h_ref, 1e-5, f"{kernel} sorted gate/up fp32 out, {t} tokens")
+    h = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
+    assert_rel_close(h, h_ref, 1e-2, f"{kernel} sorted gate/up, {t} tokens")
+    y = backend.mxfp4_grouped_gemm_gluon(h, w2, s2, offsets, out_dtype=torch.float32)
+    y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref, 1e-5, f"{kernel} sorted down, {t} tokens")
+    y = backend.mxfp4_grouped_gemm_gluon(h, w2[:, :1000], s2[:, :1000], offsets, out_dtype=torch.float32)
+    assert_rel_close(y, y_ref[:, :1000], 1e-5, f"{kernel} sorted down, N = 1000, {t} tokens")
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device="cuda")
+    tok = t - 1
+    xs1, order1, offsets1 = moe_permute(x[tok:], experts[tok:] % (EXPERTS if t < 64 else 40), EXPERTS)
+    one = backend.mxfp4_grouped_gemm_gluon(xs1, w13, s13, offsets1, fuse_swiglu=True, swiglu_limit=LIMIT,
+                                           row_scale=weights[tok:].flatten()[order1])  # fmt: skip
+    assert_bitwise(one[torch.argsort(order1)], h[pos[tok * TOP_K : (tok + 1) * TOP_K]], f"{kernel}: token {tok} alone")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 64, 300])
+def test_gpu_sorted_gluon_split(v41_experts, t, monkeypatch):
+    """The split dispatch uses on sm_90: skewed routing sends experts of every size class to the kernels (at 8
+    and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300, over WGMMA_FROM_ROWS, mma.sync <= MMA_MAX_ROWS <
+    wgmma <= WGMMA_MAX_ROWS < Triton); a K the Gluon kernels do not serve goes to Triton; with no rows for the
+    Gluon kernels every expert is in the Triton one, bitwise."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
 
     w13, s13, w2, s2 = v41_experts
     ref = reference("mxfp4_grouped_gemm")
-    x, experts, weights = _tokens(t, seed=300 + t)
-    with monkeypatch.context() as mp:
-        mp.setattr(backend, "MAX_EXPERT_ROWS", 1 << 20)  # every expert in the Gluon kernel
-        xs, order, offsets = moe_permute(x, experts, EXPERTS)
-        kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
-        h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
-        h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
-        assert_rel_close(h32, h_ref, 1e-5, f"gluon sorted gate/up fp32 out, {t} tokens")
-        h = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
-        assert_rel_close(h, h_ref, 1e-2, f"gluon sorted gate/up, {t} tokens")
-        y = backend.mxfp4_grouped_gemm_gluon(h, w2, s2, offsets, out_dtype=torch.float32)
-        y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
-        assert_rel_close(y, y_ref, 1e-5, f"gluon sorted down, {t} tokens")
-        y = backend.mxfp4_grouped_gemm_gluon(h, w2[:, :1000], s2[:, :1000], offsets, out_dtype=torch.float32)
-        assert_rel_close(y, y_ref[:, :1000], 1e-5, f"gluon sorted down, N = 1000, {t} tokens")
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.shape[0], device="cuda")
-        tok = t - 1
-        xs1, order1, offsets1 = moe_permute(x[tok:], experts[tok:], EXPERTS)
-        one = backend.mxfp4_grouped_gemm_gluon(xs1, w13, s13, offsets1, fuse_swiglu=True, swiglu_limit=LIMIT,
-                                               row_scale=weights[tok:].flatten()[order1])  # fmt: skip
-        assert_bitwise(one[torch.argsort(order1)], h[pos[tok * TOP_K : (tok + 1) * TOP_K]], f"token {tok} alone")
-    # skewed routing: the first 40 experts, many of them with more than MAX_EXPERT_ROWS rows when t is large
-    xs, order, offsets = moe_permute(x, experts % 40, EXPERTS)
+    x, experts, weights = _tokens(t, seed=400 + t)
+    experts = (experts.double() ** 2 / EXPERTS).long()  # expert e gets ~R / (2 sqrt(E e)) rows: every size class
+    xs, order, offsets = moe_permute(x, experts, EXPERTS)
     kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
     h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
     h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
-    assert_rel_close(h32, h_ref, 1e-5, f"split gate/up, {t} tokens over 40 experts")
+    assert_rel_close(h32, h_ref, 1e-5, f"split gate/up, {t} tokens, skewed")
     yk = backend.mxfp4_grouped_gemm_gluon(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
     yk_ref = ref(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
     assert_rel_close(yk, yk_ref.float(), 1e-2, f"gluon sorted, K = 2240 (Triton), {t} tokens")
-    monkeypatch.setattr(backend, "MAX_EXPERT_ROWS", 0)  # every expert in the Triton kernel
+    monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 30)
+    monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel
     h_tr = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
-    assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "MAX_EXPERT_ROWS 0")
+    assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "no Gluon rows")
 
 
 @pytest.mark.gpu

@@ -77,5 +77,9 @@ try:  # GPU backends register themselves when Triton imports (CPU-only installs 
     from . import triton as _triton  # noqa: F401
 except ImportError:
     pass
+try:  # the decode-size kernel in Gluon (Triton >= 3.4)
+    from . import gluon as _gluon  # noqa: F401
+except ImportError:
+    pass
 
 __all__ = ["fp8_gemm_nt"]

@@ -13,17 +13,15 @@ in the main loop:
   one weight tile, as the down GEMM (two of each took 168-182 registers and halved the programs an SM holds);
 * the bytes are split by nibble instead of interleaved: the low nibbles (even columns) multiply x[0::2] and the
   high nibbles (odd columns) x[1::2], two MMAs per tile, so no register shuffle is needed;
-* E2M1 -> bf16 by bit moves (inline PTX, 4 bytes -> 8 values in 14 integer ops): sign to bit 15, the 3 magnitude
-  bits to bits 6..8 make the bf16 2^-126 * value (0.5 is a bf16 subnormal), then two exact bf16 multiplies, by
-  2^126 and by the block's scale 2^(s-127).
+* E2M1 -> bf16 by bit moves in inline PTX (``gluon_common.py``).
 
 Products are exact (an E2M1 value times a power of two fits bf16), sums are fp32 in the tensor cores: results
 differ from the reference only in the order of the fp32 sums. Scale bytes 0 and 255 are outside what the
 multiply honours (the block becomes zero / inf instead of 2^-127 / NaN), as in the Triton backend; neither occurs
 in the checkpoints or from ``mxfp4_quantize``. The tiling is fixed and an output column depends only on its own x
 row, so rows are bitwise independent of the others. The gathered backend is registered batch-invariant; the
-sorted one is not (an expert's row count chooses between this kernel and the Triton one, whose sums differ in
-order).
+sorted one is not (an expert's row count chooses between this kernel, the wgmma one of ``gluon_wgmma.py`` for
+experts of 9-32 rows, and the Triton one, whose sums differ in order).
 
 Shapes served: K a multiple of 256 (V4 / V4.1-Flash: 4096, 2048, 5120, 2304); others go to the Triton kernels.
 Measured on an H200 (session 29, ``bench_mxfp4_gather_cold.py``: CUDA graphs after a 256 MB copy, uniform random
@@ -46,31 +44,9 @@ from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_ou
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
+from .gluon_common import expert_weight_rows, load_unpacked
+from .gluon_wgmma import wgmma_available, wgmma_rows_into
 from .triton import _cuda_available, grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
-
-# $4: 4 packed bytes; $5, $6: 4 bf16 scales (two per register) -> $0 $1: the 4 low nibbles, $2 $3: the 4 high
-# nibbles, as bf16 pairs. t = [0, b0, 0, b1] puts a low nibble's magnitude 2 bits above bits 6..8 and its sign 4
-# below bit 15; a high nibble's magnitude 6 above, its sign already at 15 (masked: bit 8 of t is a low-nibble bit).
-_UNPACK_SCALED = gl.constexpr("""{
-.reg .b32 t, a, b;
-prmt.b32 t, $4, 0, 0x1404;
-shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $0, a, b, 0x81C081C0, 0xA8;
-shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $2, a, b, 0x01C001C0, 0xEC;
-prmt.b32 t, $4, 0, 0x3424;
-shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $1, a, b, 0x81C081C0, 0xA8;
-shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $3, a, b, 0x01C001C0, 0xEC;
-mov.b32 a, 0x7E807E80;
-mul.rn.bf16x2 $0, $0, a; mul.rn.bf16x2 $1, $1, a; mul.rn.bf16x2 $2, $2, a; mul.rn.bf16x2 $3, $3, a;
-mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6; mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
-}""")
-
-
-@gluon.jit
-def _unpack_scaled(packed, scale):
-    """(low nibbles, high nibbles) of uint8 ``packed`` as bf16 E2M1 values times the bf16 ``scale`` (same shape)."""
-    return gl.inline_asm_elementwise(
-        _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-    )
 
 
 @gluon.constexpr_function
@@ -88,12 +64,9 @@ def _x_layout(bkh, num_warps):
 
 
 @gluon.jit
-def _rows_dot(w_rows, s_rows, k0, kh, KH, KS, x_even, x_odd, acc):
+def _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc):
     """acc + (rows of one expert, packed byte columns k0 .. k0 + BKH) . x: w_rows / s_rows the row pointers."""
-    packed = gl.load(w_rows[:, None] + (k0 + kh)[None, :])
-    s = gl.load(s_rows[:, None] + ((k0 + kh) // 16)[None, :])  # a scale per 16 bytes (equal loads are merged)
-    scale = ((s.to(gl.int32) & 0xFF) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # 2^(s-127)
-    lo, hi = _unpack_scaled(packed, scale)
+    lo, hi = load_unpacked(w_rows, s_rows, k0, kh)
     acc = mma_v2(lo, x_even, acc)
     return mma_v2(hi, x_odd, acc)
 
@@ -150,21 +123,8 @@ def _expert_rows_kernel(
                 src = gl.load(index_ptr + p).to(gl.int64)
             x_rows = src + 0 * nx
         KH = K // 2
-        KS = K // 32
         j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
-        if FUSE:
-            # tile row j = 16 w + 8 h + g holds output column 8 w + g of the gate (h = 0) or up (h = 1) rows: an
-            # mma.sync thread owns rows g and g + 8 of its warp's 16, so a column's gate and up sums meet in one
-            # thread's registers, and a program holds one accumulator and one weight tile (as the down GEMM)
-            n0 = pid_n * (BLOCK_N // 2)
-            col = gl.minimum(n0 + 8 * (j // 16) + j % 8, N_OUT - 1).to(gl.int64)
-            rn = col + ((j // 8) % 2).to(gl.int64) * N_OUT
-        else:
-            n0 = pid_n * BLOCK_N
-            rn = gl.minimum(n0 + j, N_OUT - 1).to(gl.int64)  # rows past N_OUT recompute the last (never stored)
-        n_rows = 2 * N_OUT if FUSE else N_OUT
-        w_rows = w_ptr + e * n_rows * KH + rn * KH
-        s_rows = s_ptr + e * n_rows * KS + rn * KS
+        n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
         kh = gl.arange(0, BKH, layout=gl.SliceLayout(0, LA))
         kx = gl.arange(0, 2 * BKH, layout=gl.SliceLayout(1, LX))
         x_tile = x_ptr + x_rows[None, :] * K + kx[:, None]
@@ -174,7 +134,7 @@ def _expert_rows_kernel(
             x_even, x_odd = x_pairs.split()
             x_even = gl.convert_layout(x_even, LB, assert_trivial=True)
             x_odd = gl.convert_layout(x_odd, LB, assert_trivial=True)
-            acc = _rows_dot(w_rows, s_rows, k0, kh, KH, KS, x_even, x_odd, acc)
+            acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
         if FUSE:
             EPI: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
             g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, 8]), [0, 2, 3, 1]).split()
@@ -193,14 +153,20 @@ def _expert_rows_kernel(
 GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
 SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
 TILE_ROWS = 8  # rows a sorted-layout tile (the MMA's N)
-# Sorted layout: experts with at most MAX_EXPERT_ROWS rows take this kernel, experts with more the Triton kernel's
-# 64-row tiles (two launches, each over its own tile list): an 8-row tile unpacks its expert's weights again for
-# every 8 rows, so from 3 tiles an expert costs more here than in one Triton tile at ~25% of copy. H200, session
-# 29 (``gpu_model_slice.py --quant fp8+fp4``, whose random routers send V4.1's 1536 rows at batch 256 to ~90
-# experts, ~17 rows each): all experts here made that step 23.2 -> 28.0 ms while batch 64 (~6 rows an expert)
-# went 13.1 -> 9.7 ms. The split at 8 / 16 / 32 rows: a V4.1 batch-256 graph step of 18.1 / 17.5 / 17.4 ms (same
-# lease, ``profile_decode_quant_h200_session29.log``); 16 keeps an expert at two tiles here.
-MAX_EXPERT_ROWS = 16
+# Sorted layout: the experts are split by row count between kernels, each over its own tile list
+# (``expert_tile_schedule`` bounds), because a kernel pays an expert's weight bytes once per tile. Calls of at least
+# WGMMA_FROM_ROWS rows: up to MMA_MAX_ROWS rows in this kernel's 8-row tiles (a pass at ~58% of copy), up to
+# WGMMA_MAX_ROWS in the wgmma kernel's 32-row tiles (``gluon_wgmma.py``, sm_90; a pass at ~43%), more in the Triton
+# kernel's 64-row tiles (prefill; ~25%, but its tensor-core work grows with the rows). Smaller calls: up to
+# SMALL_MMA_MAX_ROWS rows here (two tiles at most), more in Triton: one launch and tile list fewer.
+# H200, V4.1 slice (``gpu_model_slice.py --quant fp8+fp4``, random routers: at batch 256 ~90 experts of ~17 rows),
+# same lease, 2 alternating rounds (``ab_slice.py``), the three-kernel split against the two-kernel one at every
+# batch: batch 8 3.73 vs 3.67 ms, 64 8.32 vs 8.19, 256 16.40 vs 16.98 (session 30); session 29's two-kernel split
+# at 8 / 16 / 32 rows: 18.1 / 17.5 / 17.4 ms at batch 256.
+MMA_MAX_ROWS = 8
+WGMMA_MAX_ROWS = 32
+WGMMA_FROM_ROWS = 1024
+SMALL_MMA_MAX_ROWS = 16
 
 
 def _cols(cfg: dict, fuse_swiglu: bool) -> int:
@@ -209,7 +175,7 @@ def _cols(cfg: dict, fuse_swiglu: bool) -> int:
 
 
 def _fallback(k: int, cfg: dict) -> bool:
-    return k % (2 * cfg["BKH"]) != 0
+    return k == 0 or k % (2 * cfg["BKH"]) != 0
 
 
 def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, *, sorted_rows, fuse_swiglu,
@@ -260,8 +226,9 @@ def mxfp4_grouped_gemm_gather_gluon(
 def mxfp4_grouped_gemm_gluon(
     x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
 ):
-    """Sorted (contiguous) layout: experts with at most MAX_EXPERT_ROWS rows in tiles of TILE_ROWS rows here, the
-    others in the Triton kernel's tiles (``grouped_rows_into``); K not a multiple of 2 * BKH: all in Triton."""
+    """Sorted (contiguous) layout: the experts split by row count between this kernel's tiles of TILE_ROWS rows,
+    the wgmma kernel's (sm_90, calls of WGMMA_FROM_ROWS rows or more) and the Triton kernel's
+    (``grouped_rows_into``), as the constants above say; K not a multiple of 2 * BKH: all in Triton."""
     cfg = SORTED_CFG
     rows = x.shape[0]
     if _fallback(x.shape[1], cfg):
@@ -273,13 +240,21 @@ def mxfp4_grouped_gemm_gluon(
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=MAX_EXPERT_ROWS)
-    grid = (slots, triton.cdiv(n_out, _cols(cfg, fuse_swiglu)))
-    _launch(grid, x, w, w_scale, out, row_scale, tile_e, tile_e, tile_r0, tile_r1, n_out, sorted_rows=True,
-            fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
-    if rows > MAX_EXPERT_ROWS:  # else no expert can have more
-        grouped_rows_into(out, x, w, w_scale, expert_offsets, min_rows=MAX_EXPERT_ROWS + 1, fuse_swiglu=fuse_swiglu,
-                          swiglu_limit=swiglu_limit, row_scale=row_scale)  # fmt: skip
+    xs = x.to(torch.bfloat16).contiguous()  # the MMA operand is bf16 (fp16 / fp32 inputs are rounded)
+    epi = dict(fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale)
+    wgmma = wgmma_available(x.device) and rows >= WGMMA_FROM_ROWS and WGMMA_MAX_ROWS > MMA_MAX_ROWS
+    mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
+    if mma_max > 0:
+        tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=mma_max)
+        grid = (slots, triton.cdiv(n_out, _cols(cfg, fuse_swiglu)))
+        _launch(grid, xs, w, w_scale, out, row_scale, tile_e, tile_e, tile_r0, tile_r1, n_out, sorted_rows=True,
+                fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
+    triton_from = mma_max + 1
+    if wgmma:
+        wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS, **epi)
+        triton_from = WGMMA_MAX_ROWS + 1
+    if rows >= triton_from:  # else no expert has that many rows
+        grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, **epi)
     return out
 
 

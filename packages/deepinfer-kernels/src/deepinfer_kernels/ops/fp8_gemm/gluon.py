@@ -1,0 +1,163 @@
+"""Gluon backend of ``fp8_gemm_nt`` for MXFP8 (block 32, V4.1-Flash's dense weights) at decode sizes (M <=
+GLUON_MAX_M rows): the weights stream through ``mma.sync`` as the wide A operand, the few activation rows are the B
+operand's 8 columns (sm_90, where it was tuned and tested: the H200). More rows, block 128 (V4) and K % 128 != 0 go
+to the Triton kernel.
+
+Why: at a few rows the Triton kernel (``triton.py``) is a weight stream at 5-45% of copy (``bench_fp8_gemm.py``),
+its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K block of 32.
+
+* A program owns BLOCK_N = 64 weight rows (16 a warp) and 8 rows of ``a``; a thread loads 8 consecutive FP8 bytes
+  of a row (one 64-bit load; ``k_width`` 8, the same K order for both operands) and the step's 4 K blocks of 32 are
+  loaded before any is used (8 KB in flight a program).
+* FP8 e4m3 -> fp16 is exact (``cvt.rn.f16x2.e4m3x2``, two values an instruction), so the MMA is fp16 x fp16 with
+  exact products and fp32 sums; the scales multiply each K block's [64, 8] partial product (b_scale of its rows
+  times a_scale of its columns) as the op's definition reads, cheap at 8 columns.
+* K is split for up to ~16 programs an SM (``_split``, from N and K only; ~4 an SM was 10-15% slower than Triton),
+  the fp32 parts added in a fixed order by ``split_sum_kernel``: an output row depends only on its own activation
+  row and the tiling not on M, so the kernel is batch-invariant; the registration is not (M picks this kernel or
+  Triton's).
+
+Scales: a_scale and b_scale in fp32, UE8M0 bytes or float8_e8m0fnu, any value (they multiply fp32 partials).
+Measured on an H200 (session 30, one row, CUDA graphs after a 256 MB copy, us Triton -> this): wo_b (5120 x 8192)
+32.2 -> 27.3, shared w13 (4608 x 5120) 20.3 -> 15.0, wq_b (32768 x 1280) 22.5 -> 22.5, wq_a (1280 x 5120) 10.9 ->
+10.8; V4's 128-blocks (wq_b 32768 x 1024) were slower here (12.1 -> 17.1) and stay in Triton. Still ~30-45% of
+copy: one 8 KB step in flight a program, no cross-step prefetch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
+from deepinfer_kernels.registry import register_backend
+
+from .triton import _scale_arg, cuda_fp8_available, fp8_gemm_nt_triton
+
+
+@gluon.jit
+def _scale_f32(ptr, offs, mask, E8M0: gl.constexpr):
+    """fp32 scales at ``ptr + offs``: UE8M0 bytes (2^(e-127); 0 -> 2^-127, 255 -> NaN) or fp32 values."""
+    if E8M0:
+        e = gl.load(ptr + offs, mask=mask, other=127).to(gl.int32) & 0xFF
+        bits = gl.where(e == 0, 0x400000, e << 23)
+        bits = gl.where(e == 255, 0x7FC00000, bits)
+        s = bits.to(gl.float32, bitcast=True)
+    else:
+        s = gl.load(ptr + offs, mask=mask, other=1.0)
+    return s
+
+
+@gluon.jit
+def _scaled_add(acc, w, x, bs_ptr, bs_rows, as_ptr, as_cols, kb, n_ok, m_ok, A_E8M0: gl.constexpr,
+                B_E8M0: gl.constexpr):  # fmt: skip
+    """acc + (w . x) * b_scale[row block, kb] * a_scale[column, kb]: one K block of 32 (fp16 MMA, exact products)."""
+    part = mma_v2(w.to(gl.float16), x.to(gl.float16), gl.zeros_like(acc))
+    sb = _scale_f32(bs_ptr, bs_rows + kb, n_ok, B_E8M0)
+    sa = _scale_f32(as_ptr, as_cols + kb, m_ok, A_E8M0)
+    return acc + part * (sb[:, None] * sa[None, :])
+
+
+@gluon.jit
+def _fp8_rows_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS_PER_SPLIT,
+    A_E8M0: gl.constexpr, B_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+):  # fmt: skip
+    """Program (pid_n, pid_m, pid_k): c[8 pid_m .. + 8, BLOCK_N pid_n .. + BLOCK_N] over K steps [pid_k * SPS,
+    (pid_k + 1) * SPS) of 128 (SPS = STEPS_PER_SPLIT); with a K split, c is the fp32 workspace [SPLIT, M, N].
+    MXFP8: a: [M, K] e4m3, as: [M, K / 32], b: [N, K] e4m3, bs: [ceil(N / 32), K / 32]."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+    BK: gl.constexpr = 128  # a step: 4 K blocks of 32
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    KB = K // 32
+    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
+    w_rows = b_ptr + gl.minimum(rn, N - 1).to(gl.int64) * K  # rows past N recompute the last (never stored)
+    cm = pid_m * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    x_cols = a_ptr + gl.minimum(cm, M - 1).to(gl.int64) * K
+    kw = gl.arange(0, 32, layout=gl.SliceLayout(0, LA))
+    kx = gl.arange(0, 32, layout=gl.SliceLayout(1, LB))
+    # scale vectors in the accumulator's layout: b's per output row (its 32-row block), a's per column
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    n_ok = on < N
+    m_ok = om < M
+    bs_rows = (gl.minimum(on, N - 1) // 32).to(gl.int64) * KB
+    as_cols = gl.minimum(om, M - 1).to(gl.int64) * KB
+    acc = gl.zeros([BLOCK_N, 8], gl.float32, MMA)
+    s_lo = pid_k * STEPS_PER_SPLIT
+    s_hi = gl.minimum(s_lo + STEPS_PER_SPLIT, K // BK)
+    for s in range(s_lo, s_hi):
+        k0 = s * BK
+        # every load of the step first: 4 x 2 KB of weights in flight before the first MMA waits on them
+        w0 = gl.load(w_rows[:, None] + (k0 + kw)[None, :])
+        w1 = gl.load(w_rows[:, None] + (k0 + 32 + kw)[None, :])
+        w2 = gl.load(w_rows[:, None] + (k0 + 64 + kw)[None, :])
+        w3 = gl.load(w_rows[:, None] + (k0 + 96 + kw)[None, :])
+        x0 = gl.load(x_cols[None, :] + (k0 + kx)[:, None])
+        x1 = gl.load(x_cols[None, :] + (k0 + 32 + kx)[:, None])
+        x2 = gl.load(x_cols[None, :] + (k0 + 64 + kx)[:, None])
+        x3 = gl.load(x_cols[None, :] + (k0 + 96 + kx)[:, None])
+        # a partial product a K block of 32, each scaled by its block's scales
+        acc = _scaled_add(acc, w0, x0, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32, n_ok, m_ok, A_E8M0, B_E8M0)
+        acc = _scaled_add(acc, w1, x1, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 1, n_ok, m_ok, A_E8M0, B_E8M0)
+        acc = _scaled_add(acc, w2, x2, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 2, n_ok, m_ok, A_E8M0, B_E8M0)
+        acc = _scaled_add(acc, w3, x3, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 3, n_ok, m_ok, A_E8M0, B_E8M0)
+    c_ptrs = c_ptr + pid_k.to(gl.int64) * M * N + om.to(gl.int64)[None, :] * N + on[:, None]
+    gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+# Decode sizes only: above GLUON_MAX_M rows a program's 8 columns re-read and re-convert the weights per 8 rows
+# and the Triton kernel's 64-row tiles win (session 30 measurements in the module docstring).
+GLUON_MAX_M = 16
+BLOCK_N = 64
+NUM_WARPS = 4
+
+
+def _split(n: int, k: int) -> int:
+    """K split (power of two, at most 16) from N and K only: up to ~16 programs an SM (bytes in flight: a program
+    holds one 8 KB step), each at least 2 steps of 128."""
+    tiles = -(-n // BLOCK_N)
+    steps = k // 128
+    split = 1
+    while split < 16 and tiles * split * 2 <= 16 * SMS and steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
+    """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M (see the module docstring); other sizes, block 128
+    and K % 128 != 0: the Triton kernel."""
+    k = a.shape[-1]
+    n = b.shape[0]
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, k)
+    m = a2.shape[0]
+    if block != 32 or m > GLUON_MAX_M or k % 128 or m == 0 or n == 0:
+        return fp8_gemm_nt_triton(a, a_scale, b, b_scale, block, out_dtype)
+    a2 = a2.contiguous()
+    sa, a_e8m0 = _scale_arg(a_scale.reshape(m, k // block))
+    sb, b_e8m0 = _scale_arg(b_scale)
+    split = _split(n, k)
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    ws = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    steps = k // 128
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 8), split)
+    _fp8_rows_kernel[grid](
+        a2, sa, b.contiguous(), sb, ws, m, n, k, -(-steps // split),
+        A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if split > 1:
+        split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+    return c.reshape(*lead, n)
+
+
+register_backend(
+    "fp8_gemm_nt", "gluon", fp8_gemm_nt_gluon, devices=("cuda",), priority=30, available=cuda_fp8_available
+)

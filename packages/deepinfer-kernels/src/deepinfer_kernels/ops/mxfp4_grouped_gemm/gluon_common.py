@@ -1,0 +1,65 @@
+"""What the Gluon MXFP4 kernels (``gluon.py``, ``gluon_wgmma.py``) share.
+
+* E2M1 -> bf16: packed bytes and their block scales to two bf16 tensors (low and high nibbles) in the registers
+  that hold them, by bit moves in inline PTX (4 bytes -> 8 values in 14 integer ops): sign to bit 15, the 3
+  magnitude bits to bits 6..8 make the bf16 2^-126 * value (0.5 is a bf16 subnormal), then two exact bf16
+  multiplies, by 2^126 and by the block's scale 2^(s-127). Scale bytes 0 and 255 are outside what the multiply
+  honours (the block becomes zero / inf instead of 2^-127 / NaN).
+* The weight rows of a program, with the fused gate/up interleave (``expert_weight_rows``)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# $4: 4 packed bytes; $5, $6: 4 bf16 scales (two per register) -> $0 $1: the 4 low nibbles, $2 $3: the 4 high
+# nibbles, as bf16 pairs. t = [0, b0, 0, b1] puts a low nibble's magnitude 2 bits above bits 6..8 and its sign 4
+# below bit 15; a high nibble's magnitude 6 above, its sign already at 15 (masked: bit 8 of t is a low-nibble bit).
+_UNPACK_SCALED = gl.constexpr("""{
+.reg .b32 t, a, b;
+prmt.b32 t, $4, 0, 0x1404;
+shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $0, a, b, 0x81C081C0, 0xA8;
+shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $2, a, b, 0x01C001C0, 0xEC;
+prmt.b32 t, $4, 0, 0x3424;
+shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $1, a, b, 0x81C081C0, 0xA8;
+shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $3, a, b, 0x01C001C0, 0xEC;
+mov.b32 a, 0x7E807E80;
+mul.rn.bf16x2 $0, $0, a; mul.rn.bf16x2 $1, $1, a; mul.rn.bf16x2 $2, $2, a; mul.rn.bf16x2 $3, $3, a;
+mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6; mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
+}""")
+
+
+@gluon.jit
+def unpack_scaled(packed, scale):
+    """(low nibbles, high nibbles) of uint8 ``packed`` as bf16 E2M1 values times the bf16 ``scale`` (same shape)."""
+    return gl.inline_asm_elementwise(
+        _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+    )
+
+
+@gluon.jit
+def load_unpacked(w_rows, s_rows, k0, kh):
+    """Packed byte columns k0 + kh of the weight rows at ``w_rows`` (row pointers; ``s_rows`` their scale rows, a
+    byte per 16 packed bytes) as (low nibbles, high nibbles) in bf16, [rows, BKH] each in kh's parent layout."""
+    packed = gl.load(w_rows[:, None] + (k0 + kh)[None, :])
+    s = gl.load(s_rows[:, None] + ((k0 + kh) // 16)[None, :])  # equal addresses in a thread are merged
+    scale = ((s.to(gl.int32) & 0xFF) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # 2^(s-127)
+    return unpack_scaled(packed, scale)
+
+
+@gluon.jit
+def expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N: gl.constexpr, FUSE: gl.constexpr):
+    """(first output column n0, weight row pointers, scale row pointers) of program column pid_n's BLOCK_N tile rows
+    ``j`` (an arange in the operand's row layout) of expert e. FUSE: tile row j = 16 w + 8 h + g is output column
+    n0 + 8 w + g of the gate (h = 0) or up (h = 1) rows: an MMA thread owns rows g and g + 8 of its warp's 16, so a
+    column's gate and up sums meet in one thread's registers, and a program holds one accumulator and one weight
+    tile (as the down GEMM). Rows past N_OUT recompute the last one (never stored)."""
+    KH = K // 2
+    KS = K // 32
+    if FUSE:
+        n0 = pid_n * (BLOCK_N // 2)
+        col = gl.minimum(n0 + 8 * (j // 16) + j % 8, N_OUT - 1).to(gl.int64)
+        rn = col + ((j // 8) % 2).to(gl.int64) * N_OUT
+    else:
+        n0 = pid_n * BLOCK_N
+        rn = gl.minimum(n0 + j, N_OUT - 1).to(gl.int64)
+    n_rows = 2 * N_OUT if FUSE else N_OUT
+    return n0, w_ptr + e * n_rows * KH + rn * KH, s_ptr + e * n_rows * KS + rn * KS
