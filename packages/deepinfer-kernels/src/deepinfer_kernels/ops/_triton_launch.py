@@ -1,4 +1,5 @@
-"""Shared plumbing of the Triton backends: the availability probe, the SM count and the interpreter check.
+"""Shared plumbing of the Triton backends: the availability probes (CUDA, the compute capability a kernel needs),
+the SM count and the interpreter check.
 
 Backends register for "cuda" only, but their launchers accept CPU tensors too, which Triton runs in
 its interpreter when ``TRITON_INTERPRET=1`` was set before triton was first imported. The interpreter
@@ -27,6 +28,35 @@ def triton_cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
+def sm90_or_newer(device: torch.device | int | None = None) -> bool:
+    """A CUDA device (default: the current one) of compute capability 9.0 or newer: FP8 tensor cores, programmatic
+    dependent launch, bulk L2 prefetch; Hopper (sm_90) and later."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return False
+    return torch.cuda.is_available() and _capability(_index(device)) >= (9, 0)
+
+
+def hopper(device: torch.device | int | None = None) -> bool:
+    """A CUDA device of compute capability 9.x: the Hopper-only instructions (``wgmma``) exist; Blackwell (10.x)
+    has none of them, so the kernels built on them must not be chosen there."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return False
+    return torch.cuda.is_available() and _capability(_index(device))[0] == 9
 
 
 def sm_count(device: torch.device) -> int:
@@ -101,7 +131,7 @@ def without_early_launch(active: bool = True) -> Iterator[None]:
 
 @functools.cache
 def _pdl_options(index: int) -> dict:
-    if torch.cuda.get_device_capability(index) < (9, 0):
+    if not sm90_or_newer(index):
         return {}
     return {"PDL": True, "launch_pdl": True}
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops._triton_launch import pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
 from deepinfer_kernels.registry import register_backend
 
@@ -147,7 +147,7 @@ def fp8_gemm_nt_triton_fixed(a, a_scale, b, b_scale, block=128, out_dtype=torch.
 
 def cuda_fp8_available() -> bool:
     """Triton imported (it did, or this module would not load), a CUDA GPU of compute capability >= 9.0."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return sm90_or_newer()
 
 
 register_backend(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.ops._triton_launch import triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import sm90_or_newer, triton_cuda_available
 from deepinfer_kernels.registry import register_backend
 
 CHUNK = 16384  # bytes per bulk prefetch
@@ -72,7 +72,7 @@ def prefetch_items(nbytes: int, max_bytes: int, period: int, chunk: int) -> tupl
 
 
 def l2_prefetch_triton(t: torch.Tensor, max_bytes: int, period: int) -> None:
-    if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) < (9, 0):
+    if not sm90_or_newer(t.device):
         return  # bulk prefetch is sm_90's; elsewhere the hint is dropped, as the reference does
     _launch(t, max_bytes, period, None)
 

@@ -40,13 +40,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from deepinfer_kernels.ops._triton_launch import hopper, sm90_or_newer
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
 from .gluon_common import expert_weight_rows, load_unpacked
-from .gluon_wgmma import wgmma_available, wgmma_rows_into
-from .triton import _cuda_available, grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
+from .gluon_wgmma import wgmma_rows_into
+from .triton import grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
 
 
 @gluon.constexpr_function
@@ -242,7 +243,7 @@ def mxfp4_grouped_gemm_gluon(
         return out
     xs = x.to(torch.bfloat16).contiguous()  # the MMA operand is bf16 (fp16 / fp32 inputs are rounded)
     epi = dict(fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale)
-    wgmma = wgmma_available(x.device) and rows >= WGMMA_FROM_ROWS and WGMMA_MAX_ROWS > MMA_MAX_ROWS
+    wgmma = hopper(x.device) and rows >= WGMMA_FROM_ROWS and WGMMA_MAX_ROWS > MMA_MAX_ROWS
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
     if mma_max > 0:
         tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=mma_max)
@@ -264,10 +265,10 @@ register_backend(
     mxfp4_grouped_gemm_gather_gluon,
     devices=("cuda",),
     priority=30,
-    available=_cuda_available,
+    available=sm90_or_newer,
     batch_invariant=True,
 )
 # Not batch-invariant: an expert's row count picks this kernel or the Triton one (different sum orders).
 register_backend(
-    "mxfp4_grouped_gemm", "gluon", mxfp4_grouped_gemm_gluon, devices=("cuda",), priority=30, available=_cuda_available
+    "mxfp4_grouped_gemm", "gluon", mxfp4_grouped_gemm_gluon, devices=("cuda",), priority=30, available=sm90_or_newer
 )

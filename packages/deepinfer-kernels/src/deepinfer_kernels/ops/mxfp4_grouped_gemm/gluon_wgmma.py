@@ -129,11 +129,6 @@ def wgmma_meta(cfg: dict) -> dict:
     )  # fmt: skip
 
 
-def wgmma_available(device: torch.device) -> bool:
-    """wgmma exists on sm_90 only (not on Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, fuse_swiglu=False,
                     swiglu_limit=None, row_scale=None):  # fmt: skip
     """The sorted layout's rows of the experts with min_rows <= rows <= max_rows (bounds inclusive), written into

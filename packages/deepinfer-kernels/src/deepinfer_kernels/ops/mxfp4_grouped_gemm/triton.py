@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options
+from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
@@ -271,14 +271,8 @@ def mxfp4_grouped_gemm_gather_triton(
     return out
 
 
-def _cuda_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-
-
 for _op, _fn in (
     ("mxfp4_grouped_gemm", mxfp4_grouped_gemm_triton),
     ("mxfp4_grouped_gemm_gather", mxfp4_grouped_gemm_gather_triton),
 ):
-    register_backend(
-        _op, "triton", _fn, devices=("cuda",), priority=20, available=_cuda_available, batch_invariant=True
-    )
+    register_backend(_op, "triton", _fn, devices=("cuda",), priority=20, available=sm90_or_newer, batch_invariant=True)

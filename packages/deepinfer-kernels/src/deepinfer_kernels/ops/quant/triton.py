@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops._triton_launch import pdl_options, sm90_or_newer
 from deepinfer_kernels.registry import register_backend
 
 from .reference import act_quant_fp8_ref
@@ -111,16 +111,12 @@ def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], g)
 
 
-def _cuda_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-
-
 register_backend(
     "act_quant_fp8",
     "triton",
     act_quant_fp8_triton,
     devices=("cuda",),
     priority=20,
-    available=_cuda_available,
+    available=sm90_or_newer,
     batch_invariant=True,  # rows are independent and there is no reduction across rows
 )

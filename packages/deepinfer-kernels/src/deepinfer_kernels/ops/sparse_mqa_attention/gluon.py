@@ -27,8 +27,6 @@ kernel. Not batch-invariant by registration (it serves the wide calls of the ada
 arithmetic depends on its own list alone.
 """
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from deepinfer_kernels.ops._triton_launch import pdl_options, triton_cuda_available
+from deepinfer_kernels.ops._triton_launch import hopper, pdl_options, triton_cuda_available
 from deepinfer_kernels.ops.rope import rope_interleaved
 from deepinfer_kernels.registry import register_backend
 
@@ -177,13 +175,8 @@ def serves(q: torch.Tensor, segments: list[torch.Tensor]) -> bool:
             s.dtype == q.dtype and s.stride(-1) == 1 and s.stride(0) % 8 == 0 and s.data_ptr() % 16 == 0
             for s in segments
         )  # fmt: skip
-        and _sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        and hopper(q.device)  # wgmma: sm_90 only
     )
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def launch_wide(
@@ -227,7 +220,7 @@ sparse_mqa_attention_gluon_adaptive.fuses_out_rope = True  # takes out_rope (see
 
 
 def _hopper() -> bool:
-    return triton_cuda_available() and _sm90(torch.cuda.current_device())
+    return triton_cuda_available() and hopper()
 
 
 register_backend(
