@@ -1,10 +1,13 @@
-"""What the split-K GEMM kernels share (``fp8_gemm``, ``linear``): the SM count their K splits are sized for,
-and the fixed-order sum of the partial products (part of what keeps them batch-invariant)."""
+"""What the split-K GEMM kernels share (``fp8_gemm``, ``linear``, ``grouped_linear``): the SM count their K splits
+are sized for, the fp32 workspace of the partial products and their fixed-order sum (part of what keeps them
+batch-invariant)."""
 
+import torch
 import triton
 import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 
 SMS = 132  # H200; only sets how far decode-size GEMMs are split along K
 
@@ -19,3 +22,18 @@ def split_sum_kernel(ws_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def split_workspace(c: torch.Tensor, split: int) -> torch.Tensor:
+    """Where a GEMM split ``split`` ways along K writes: ``c`` itself when unsplit, else an fp32 [split, *c.shape]
+    workspace for ``sum_splits``."""
+    return c if split == 1 else torch.empty(split, *c.shape, dtype=torch.float32, device=c.device)
+
+
+def sum_splits(ws: torch.Tensor, c: torch.Tensor, split: int) -> None:
+    """c = the splits of ``ws`` added in order (``split_sum_kernel``); nothing when unsplit (``ws`` is ``c``)."""
+    if split > 1:
+        mn = c.numel()
+        split_sum_kernel[(triton.cdiv(mn, 1024),)](
+            ws, c, mn, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
+        )

@@ -13,7 +13,7 @@ its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K bloc
   exact products and fp32 sums; the scales multiply each K block's [64, 8] partial product (b_scale of its rows
   times a_scale of its columns) as the op's definition reads, cheap at 8 columns.
 * K is split for up to ~16 programs an SM (``_split``, from N and K only; ~4 an SM was 10-15% slower than Triton),
-  the fp32 parts added in a fixed order by ``split_sum_kernel``: an output row depends only on its own activation
+  the fp32 parts added in a fixed order (``split_k.sum_splits``): an output row depends only on its own activation
   row and the tiling not on M, so the kernel is batch-invariant; the registration is not (M picks this kernel or
   Triton's).
 
@@ -32,20 +32,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
+from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
-from .triton import _scale_arg, cuda_fp8_available, fp8_gemm_nt_triton
+from .triton import _scale_arg, cuda_fp8_available, e8m0_to_f32, fp8_gemm_nt_triton
 
 
 @gluon.jit
 def _scale_f32(ptr, offs, mask, E8M0: gl.constexpr):
     """fp32 scales at ``ptr + offs``: UE8M0 bytes (2^(e-127); 0 -> 2^-127, 255 -> NaN) or fp32 values."""
     if E8M0:
-        e = gl.load(ptr + offs, mask=mask, other=127).to(gl.int32) & 0xFF
-        bits = gl.where(e == 0, 0x400000, e << 23)
-        bits = gl.where(e == 255, 0x7FC00000, bits)
-        s = bits.to(gl.float32, bitcast=True)
+        s = e8m0_to_f32(gl.load(ptr + offs, mask=mask, other=127))  # a triton.jit helper: Gluon calls it
     else:
         s = gl.load(ptr + offs, mask=mask, other=1.0)
     return s
@@ -146,15 +143,14 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     sb, b_e8m0 = _scale_arg(b_scale)
     split = _split(n, k)
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    ws = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    ws = split_workspace(c, split)
     steps = k // 128
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 8), split)
     _fp8_rows_kernel[grid](
         a2, sa, b.contiguous(), sb, ws, m, n, k, -(-steps // split),
         A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
     )  # fmt: skip
-    if split > 1:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4)
+    sum_splits(ws, c, split)
     return c.reshape(*lead, n)
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, sm90_or_newer
-from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
+from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 
@@ -121,17 +121,14 @@ def _launch(a, a_scale, b, b_scale, block, out_dtype, fixed: bool) -> torch.Tens
     sb, b_e8m0 = _scale_arg(b_scale)
     bm, bn, split, warps, stages = _config(None if fixed else m, n, k, block)
     kb_per_split = -(-(k // block) // split)
-    ws = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    ws = split_workspace(c, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _fp8_gemm_nt_kernel[grid](
         a2, sa, b.contiguous(), sb, ws, m, n, k, kb_per_split,
         SB=block, A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split,
         num_warps=warps, num_stages=stages, **pdl_options(a2.device),
     )  # fmt: skip
-    if split > 1:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-            ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
-        )
+    sum_splits(ws, c, split)
     return c.reshape(*lead, n)
 
 

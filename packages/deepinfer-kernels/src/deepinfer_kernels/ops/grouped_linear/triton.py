@@ -18,7 +18,7 @@ import triton.language as tl
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.ops.linear.triton import _config as _linear_config
-from deepinfer_kernels.ops.split_k import split_sum_kernel
+from deepinfer_kernels.ops.split_k import split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 
@@ -75,18 +75,14 @@ def grouped_linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.
         return c.zero_()
     bm, bn, bk, split, warps, stages = _linear_config(g * n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BLOCK_K steps per split
-    ws = c if split == 1 else torch.empty(split, m, g, n, dtype=torch.float32, device=x.device)
+    ws = split_workspace(c, split)
     grid = (g * triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _grouped_linear_kernel[grid](
         x, w, ws, m, g, n, k, k_per_split, x.stride(0), x.stride(1),
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )  # fmt: skip
-    if split > 1:
-        mn = m * g * n
-        split_sum_kernel[(triton.cdiv(mn, 1024),)](
-            ws, c, mn, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
-        )
+    sum_splits(ws, c, split)
     return c
 
 

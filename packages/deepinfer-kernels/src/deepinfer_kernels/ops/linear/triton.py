@@ -14,7 +14,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
-from deepinfer_kernels.ops.split_k import SMS, split_sum_kernel
+from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 
@@ -78,17 +78,14 @@ def linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.
         return c.zero_().reshape(*lead, n)
     bm, bn, bk, split, warps, stages = _config(n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BLOCK_K steps per split
-    ws = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    ws = split_workspace(c, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _linear_kernel[grid](
         a, weight.to(x.dtype).contiguous(), ws, m, n, k, k_per_split,
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **pdl_options(a.device),
     )  # fmt: skip
-    if split > 1:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-            ws, c, m * n, SPLIT=split, BLOCK=1024, num_warps=4, **pdl_options(ws.device)
-        )
+    sum_splits(ws, c, split)
     return c.reshape(*lead, n)
 
 
