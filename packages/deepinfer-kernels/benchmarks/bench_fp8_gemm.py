@@ -4,12 +4,14 @@ Run from the repository root:  python packages/deepinfer-kernels/benchmarks/benc
 
 Measures in the same run the ceilings (copy GB/s, bf16 matmul and fp8 ``_scaled_mm`` TFLOP/s at 8192^3), then
 for each (N, K) and M in decode (1, 8, 16, 64, 256) and prefill (4096, 8192) sizes: the Triton backends
-(``triton``: M-dependent tiles; ``triton_fixed``: batch-invariant), the Gluon decode kernel (``gluon``: up to
-``GLUON_MAX_M`` rows, Triton's above) and the torch peers (dequantise A and B
-to bf16 + bf16 matmul, every call; bf16 matmul on pre-dequantised weights; ``_scaled_mm`` with row-wise
-scales, which is cheaper math than block scales); at decode sizes (M <= 64) also Triton and Gluon after a 256 MB
-copy (cold L2, as a decode step runs them). Prints TFLOP/s, GB/s (bytes of A, B, scales and C once) and
-% of the ceilings; appends JSON lines to benchmarks/results/fp8_gemm.jsonl; a short table last.
+(``triton``: M-dependent tiles; ``triton_fixed``: batch-invariant), the registry's choice (``gluon``: the Gluon
+decode kernel up to ``GLUON_MAX_M`` rows, the wgmma kernel up to ``WGMMA_MAX_M`` on sm_90, dequantise + cuBLAS from
+``DEQUANT_MM_FROM_M``, Triton's otherwise; the last two off until measured, so timed on their own as ``wgmma``
+(sm_90, M <= 1024) and ``dequant_mm`` (M >= 256), each checked against ``triton_fixed``) and the torch peers
+(dequantise A and B to bf16 + bf16 matmul, every call; bf16 matmul on pre-dequantised weights; ``_scaled_mm``
+with row-wise scales, which is cheaper math than block scales); at decode sizes (M <= 64) also Triton and Gluon
+after a 256 MB copy (cold L2, as a decode step runs them). Prints TFLOP/s, GB/s (bytes of A, B, scales and C once)
+and % of the ceilings; appends JSON lines to benchmarks/results/fp8_gemm.jsonl; a short table last.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_util import Recorder, bench_ms, cold_us, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
+from deepinfer_kernels.ops._triton_launch import hopper  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm import gluon  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm import triton as backend  # noqa: E402
+from deepinfer_kernels.ops.fp8_gemm.dequant_mm import fp8_gemm_nt_dequant_mm  # noqa: E402
+from deepinfer_kernels.ops.fp8_gemm.gluon_wgmma import fp8_gemm_nt_wgmma  # noqa: E402
 from deepinfer_kernels.ops.quant.reference import act_dequant_fp8_ref, fp8_block_dequantize_ref  # noqa: E402
 
 # (name, N, K, block): V4.1-Flash MXFP8 dense projections (hidden 5120), two V4-Flash 128x128 ones
@@ -68,6 +73,8 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
         "triton": lambda: backend.fp8_gemm_nt_triton(a, sa, b, sb, block),
         "triton_fixed": lambda: backend.fp8_gemm_nt_triton_fixed(a, sa, b, sb, block),
         "gluon": lambda: gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block),
+        "wgmma": lambda: fp8_gemm_nt_wgmma(a, sa, b, sb, block),  # the routes off in the dispatch until measured
+        "dequant_mm": lambda: fp8_gemm_nt_dequant_mm(a, sa, b, sb, block),
         "torch_dequant_mm": lambda: (
             act_dequant_fp8_ref(a, sa, block, torch.bfloat16)
             @ fp8_block_dequantize_ref(b, sb, (block, block), torch.bfloat16).T
@@ -81,6 +88,15 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
     err_g = (gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block).float() - ref.float()).norm() / ref.float().norm()
     row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "triton_vs_fixed_rel": float(err),
            "gluon_vs_fixed_rel": float(err_g)}  # fmt: skip
+    if not (hopper() and 1 < m <= 1024 and k % 64 == 0):
+        del cands["wgmma"]
+    if m < 256:
+        del cands["dequant_mm"]
+    for cname in ("wgmma", "dequant_mm"):
+        row[cname + "_us"] = float("nan")
+        if cname in cands:
+            got = cands[cname]().float()
+            row[cname + "_vs_fixed_rel"] = float((got - ref.float()).norm() / ref.float().norm())
     for cname, fn in cands.items():
         ms = bench_ms(fn)
         tf, gbs = flops / ms / 1e9, nbytes / ms / 1e6
@@ -93,10 +109,11 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
         row["%copy_cold"] = 100 * nbytes / min(row["triton_cold_us"], row["gluon_cold_us"]) / 1e3 / ceil["copy_GBps"]
     else:
         row["%copy_cold"] = float("nan")
-    best = min(row["triton_us"], row["triton_fixed_us"], row["gluon_us"])
+    best = min(row["triton_us"], row["triton_fixed_us"], row["gluon_us"], row["wgmma_us"], row["dequant_mm_us"])
     row["TFLOPs"] = flops / best / 1e6
     row["GBps"] = nbytes / best / 1e3
     row["%fp8"] = 100 * row["TFLOPs"] / ceil["fp8_TFLOPs"]
+    row["%bf16"] = 100 * row["TFLOPs"] / ceil["bf16_TFLOPs"]  # the wgmma and cuBLAS paths run bf16 MMAs
     row["%copy"] = 100 * row["GBps"] / ceil["copy_GBps"]
     return row
 
@@ -124,9 +141,10 @@ def main() -> None:
         for m in m_sizes:
             table.append(bench_case(rec, ceil, name, m, n, k, block, wdq))
     print("\n== fp8_gemm_nt (us; TFLOP/s, GB/s and % of ceilings for the fastest of ours)")
-    cols = ["shape", "M", "triton_us", "triton_fixed_us", "gluon_us", "triton_cold_us", "gluon_cold_us", "%copy_cold",
+    cols = ["shape", "M", "triton_us", "triton_fixed_us", "gluon_us", "wgmma_us", "dequant_mm_us", "triton_cold_us",
+            "gluon_cold_us", "%copy_cold",
             "torch_dequant_mm_us", "torch_bf16_mm_us",
-            "scaled_mm_rowwise_us", "TFLOPs", "%fp8", "GBps", "%copy"]  # fmt: skip
+            "scaled_mm_rowwise_us", "TFLOPs", "%fp8", "%bf16", "GBps", "%copy"]  # fmt: skip
     print("  ".join(f"{c:>12}" for c in cols))
     for r in table:
         print("  ".join(f"{r[c]:>12.4g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))

@@ -186,12 +186,16 @@ def test_gpu_registry_choice():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", V41_SHAPES)
-def test_gpu_gluon_decode_sizes(shape):
+def test_gpu_gluon_decode_sizes(shape, monkeypatch):
     """The Gluon MXFP8 decode kernel against the reference at 1, 5, 8 and 16 rows (fp16 MMA of exact FP8 values,
     each K block's partial scaled in fp32: fp32 output within 1e-5), UE8M0 and float32 weight scales, N not a
-    multiple of the 64-row tile, rows bitwise the same alone and among 16 (its tiling ignores M); 17 rows and
-    block 128 through Triton (bitwise)."""
+    multiple of the 64-row tile, rows bitwise the same alone and among 16 (its tiling ignores M); with the wgmma
+    route on (WGMMA_MAX_M 256), 17 rows through the wgmma kernel on sm_90, 257 rows and block 128 through Triton
+    (bitwise)."""
     from deepinfer_kernels.ops.fp8_gemm import gluon
+
+    monkeypatch.setattr(gluon, "WGMMA_MAX_M", 256)
+    monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", None)
 
     n, k = shape
     block = 32
@@ -208,9 +212,16 @@ def test_gpu_gluon_decode_sizes(shape):
     n2 = n - 24  # a partial last tile (and scale block)
     got = gluon.fp8_gemm_nt_gluon(a[:3], sa[:3], b[:n2], sb[: -(-n2 // block)], block, torch.float32)
     assert_rel_close(got, ref[:3, :n2], 1e-5, f"gluon N = {n2}")
-    a17, sa17, _, _ = make_operands(17, 8, k, block, "ue8m0", seed=3, device="cuda")
+    from deepinfer_kernels.ops._triton_launch import hopper
+    from deepinfer_kernels.ops.fp8_gemm import gluon_wgmma
+
+    m_big = gluon.WGMMA_MAX_M + 1
+    a17, sa17, _, _ = make_operands(m_big, 8, k, block, "ue8m0", seed=3, device="cuda")
+    got = gluon.fp8_gemm_nt_gluon(a17[:17], sa17[:17], b, sb, block, torch.float32)
+    mid = gluon_wgmma.fp8_gemm_nt_wgmma if hopper() else _backends().fp8_gemm_nt_triton
+    assert_bitwise(got, mid(a17[:17], sa17[:17], b, sb, block, torch.float32), f"17 rows: {mid.__name__}")
     got = gluon.fp8_gemm_nt_gluon(a17, sa17, b, sb, block, torch.float32)
-    assert_bitwise(got, _backends().fp8_gemm_nt_triton(a17, sa17, b, sb, block, torch.float32), "17 rows: Triton")
+    assert_bitwise(got, _backends().fp8_gemm_nt_triton(a17, sa17, b, sb, block, torch.float32), f"{m_big}: Triton")
     a4, sa4, b4, sb4 = make_operands(4, 1024, 4096, 128, "float", seed=4, device="cuda")
     got = gluon.fp8_gemm_nt_gluon(a4, sa4, b4, sb4, 128)
     assert_bitwise(got, _backends().fp8_gemm_nt_triton(a4, sa4, b4, sb4, 128), "block 128: Triton")
@@ -242,6 +253,93 @@ def test_gluon_kernel_compiles_for_sm90(block_scale):
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert ptx.count("ld.global.v2.b32") + ptx.count("ld.global.b64") >= 12, "FP8 bytes in 64-bit loads"
     assert ".local" not in ptx and kern.metadata.shared == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", V41_SHAPES)
+def test_gpu_wgmma_sizes(shape):
+    """The MXFP8 wgmma kernel (both operands dequantised exactly to bf16: exact products, fp32 sums) against the
+    reference within 1e-5 (fp32 out) at 17-300 rows, UE8M0 and float32 scales; every TN with and without an uneven
+    K split (an empty last split included), two warpgroups a program; N not a multiple of the tile; bf16 out."""
+    from deepinfer_kernels.ops._triton_launch import hopper
+    from deepinfer_kernels.ops.fp8_gemm import gluon_wgmma as wg
+
+    if not hopper():
+        pytest.skip("wgmma is sm_90 only")
+    n, k = shape
+    ref_fn = reference("fp8_gemm_nt")
+    for m, fmt in ((17, "ue8m0"), (64, "float"), (200, "ue8m0"), (300, "float")):
+        a, sa, b, sb = make_operands(m, n, k, 32, fmt, seed=n + k + m, device="cuda")
+        ref = ref_fn(a, sa, b, sb, 32, torch.float32)
+        assert_rel_close(wg.fp8_gemm_nt_wgmma(a, sa, b, sb, 32, torch.float32), ref, 1e-5, f"wgmma {m}x{n}x{k} {fmt}")
+    steps = k // wg.BK
+    for tn in wg.TN_CHOICES:
+        for split in (1, 3, steps // 2 + 1):  # steps // 2 + 1 ways: the last split has no step
+            cfg = dict(wg.wgmma_config(m, n, k), TN=tn, split=split)
+            got = wg.fp8_gemm_nt_wgmma(a, sa, b, sb, 32, torch.float32, cfg=cfg)
+            assert_rel_close(got, ref, 1e-5, f"wgmma {m}x{n}x{k} TN {tn} split {split}")
+    cfg = dict(wg.wgmma_config(m, n, k), BLOCK_N=128, num_warps=8)
+    assert_rel_close(wg.fp8_gemm_nt_wgmma(a, sa, b, sb, 32, torch.float32, cfg=cfg), ref, 1e-5, "two warpgroups")
+    n2 = n - 24  # a partial last tile (and scale block)
+    got = wg.fp8_gemm_nt_wgmma(a[:40], sa[:40], b[:n2], sb[: -(-n2 // 32)], 32, torch.float32)
+    assert_rel_close(got, ref[:40, :n2], 1e-5, f"wgmma N = {n2}")
+    assert_rel_close(wg.fp8_gemm_nt_wgmma(a, sa, b, sb), ref, 1e-2, f"wgmma bf16 out {m}x{n}x{k}")
+    x = reference("act_dequant_fp8")(a, sa, 32, torch.bfloat16)  # exact: the kernel's bf16-activation input
+    assert_rel_close(wg.fp8_gemm_nt_wgmma(x, sa, b, sb, 32, torch.float32), ref, 1e-5, "bf16 activations")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,shape", [(32, s) for s in V41_SHAPES[:4]] + [(128, s) for s in V4_SHAPES])
+def test_gpu_dequant_mm(block, shape, monkeypatch):
+    """Prefill sizes: both operands dequantised to bf16 (exact) and one cuBLAS GEMM, against the reference within
+    1e-5 (fp32 out: exact products, fp32 sums) and 1e-2 (bf16 out); with the route on (DEQUANT_MM_FROM_M 1024) the
+    backend chooses it (bitwise the same call)."""
+    from deepinfer_kernels.ops.fp8_gemm import gluon
+    from deepinfer_kernels.ops.fp8_gemm.dequant_mm import fp8_gemm_nt_dequant_mm
+
+    monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", 1024)
+    n, k = shape
+    m = 1027
+    a, sa, b, sb = make_operands(m, n, k, block, "ue8m0", seed=n + k, device="cuda")
+    ref = reference("fp8_gemm_nt")(a, sa, b, sb, block, torch.float32)
+    assert_rel_close(fp8_gemm_nt_dequant_mm(a, sa, b, sb, block, torch.float32), ref, 1e-5, f"fp32 {m}x{n}x{k}")
+    got = fp8_gemm_nt_dequant_mm(a, sa, b, sb, block)
+    assert_rel_close(got, ref, 1e-2, f"bf16 {m}x{n}x{k}")
+    assert_bitwise(gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block), got, "dispatch")
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("tn", [32, 128])
+def test_wgmma_kernel_compiles_for_sm90(tn):
+    """The MXFP8 wgmma kernel lowers for sm_90: bf16 wgmma of BK / 16 instructions a step in one group (one wait),
+    weights in 64-bit loads, activations in 128-bit ones, one bf16 activation tile of shared memory beside the
+    epilogue's exchange, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from deepinfer_kernels.ops.fp8_gemm import gluon_wgmma as wg
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*u8", "c_ptr": "*bf16",
+        "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
+    }  # fmt: skip
+    cfg = dict(wg.wgmma_config(tn, 4096, 5120), TN=tn)
+    meta = dict(SB=32, A_E8M0=False, B_E8M0=True, X_BF16=False, **wg.wgmma_meta(cfg))
+    sig.update(dict.fromkeys(meta, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+    src = GluonASTSource(fn=wg._fp8_wgmma_kernel, signature=sig, constexprs=meta, attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    ptx = kern.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{tn}k16.f32.bf16.bf16" in ptx
+    assert ptx.count("ld.global.v2.b32") >= 2, "weight bytes in 64-bit loads"
+    assert ptx.count("ld.global.v4.b32") >= 1, "activation bytes in 128-bit loads"
+    assert ".local" not in ptx, "register spills"
+    x_tile = tn * cfg["BK"] * 2
+    epilogue = cfg["BLOCK_N"] * tn * 4
+    assert kern.metadata.shared <= max(x_tile, epilogue), f"{kern.metadata.shared} bytes of shared memory"
+    sass = kern.asm["sass"]
+    assert sass.count("HGMMA") == cfg["BK"] // 16 and sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialised"
 
 
 @pytest.mark.gpu

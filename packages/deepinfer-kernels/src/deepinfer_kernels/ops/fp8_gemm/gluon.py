@@ -1,7 +1,8 @@
 """Gluon backend of ``fp8_gemm_nt`` for MXFP8 (block 32, V4.1-Flash's dense weights) at decode sizes (M <=
 GLUON_MAX_M rows): the weights stream through ``mma.sync`` as the wide A operand, the few activation rows are the B
-operand's 8 columns (sm_90, where it was tuned and tested: the H200). More rows, block 128 (V4) and K % 128 != 0 go
-to the Triton kernel.
+operand's 8 columns (sm_90, where it was tuned and tested: the H200). More rows, block 128 (V4) and K % 128 != 0
+go to the Triton kernel, unless the two routes of the constants below (off until measured) are turned on: up to
+WGMMA_MAX_M rows the wgmma kernel of ``gluon_wgmma.py``, from DEQUANT_MM_FROM_M rows dequantise + cuBLAS.
 
 Why: at a few rows the Triton kernel (``triton.py``) is a weight stream at 5-45% of copy (``bench_fp8_gemm.py``),
 its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K block of 32.
@@ -32,9 +33,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import hopper, pdl_options
 from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
+from .dequant_mm import fp8_gemm_nt_dequant_mm
+from .gluon_wgmma import BK, fp8_gemm_nt_wgmma
 from .triton import _scale_arg, cuda_fp8_available, e8m0_to_f32, fp8_gemm_nt_triton
 
 
@@ -62,10 +67,12 @@ def _scaled_add(acc, w, x, bs_ptr, bs_rows, as_ptr, as_cols, kb, n_ok, m_ok, A_E
 def _fp8_rows_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS_PER_SPLIT,
     A_E8M0: gl.constexpr, B_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (pid_n, pid_m, pid_k): c[8 pid_m .. + 8, BLOCK_N pid_n .. + BLOCK_N] over K steps [pid_k * SPS,
     (pid_k + 1) * SPS) of 128 (SPS = STEPS_PER_SPLIT); with a K split, c is the fp32 workspace [SPLIT, M, N].
     MXFP8: a: [M, K] e4m3, as: [M, K / 32], b: [N, K] e4m3, bs: [ceil(N / 32), K / 32]."""
+    pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
@@ -113,6 +120,14 @@ def _fp8_rows_kernel(
 # Decode sizes only: above GLUON_MAX_M rows a program's 8 columns re-read and re-convert the weights per 8 rows
 # and the Triton kernel's 64-row tiles win (session 30 measurements in the module docstring).
 GLUON_MAX_M = 16
+# Two more routes, written in session 31 and OFF until measured on the H200 (that session could start no device:
+# both are compile-checked for sm_90 and tested on the CPU, not yet run on a GPU). Turn them on for an A/B with
+# ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.WGMMA_MAX_M=256`` (and ``...DEQUANT_MM_FROM_M=1024``):
+# * GLUON_MAX_M < rows <= WGMMA_MAX_M (sm_90, block 32): the wgmma kernel of ``gluon_wgmma.py`` (both operands
+#   dequantised exactly to bf16, no per-block accumulator rescale); 0: off;
+# * rows >= DEQUANT_MM_FROM_M: dequantise both operands, one cuBLAS bf16 GEMM (``dequant_mm.py``); None: off.
+WGMMA_MAX_M = 0
+DEQUANT_MM_FROM_M: int | None = None
 BLOCK_N = 64
 NUM_WARPS = 4
 
@@ -129,13 +144,17 @@ def _split(n: int, k: int) -> int:
 
 
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
-    """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M (see the module docstring); other sizes, block 128
-    and K % 128 != 0: the Triton kernel."""
+    """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M, the wgmma and dequantise + cuBLAS routes where
+    turned on (see WGMMA_MAX_M, DEQUANT_MM_FROM_M); other sizes, block 128 and K % 128 != 0: the Triton kernel."""
     k = a.shape[-1]
     n = b.shape[0]
     lead = a.shape[:-1]
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
+    if block == 32 and GLUON_MAX_M < m <= WGMMA_MAX_M and k % BK == 0 and hopper(a.device):
+        return fp8_gemm_nt_wgmma(a, a_scale, b, b_scale, block, out_dtype)
+    if DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and n > 0:
+        return fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block, out_dtype)
     if block != 32 or m > GLUON_MAX_M or k % 128 or m == 0 or n == 0:
         return fp8_gemm_nt_triton(a, a_scale, b, b_scale, block, out_dtype)
     a2 = a2.contiguous()
@@ -149,6 +168,7 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     _fp8_rows_kernel[grid](
         a2, sa, b.contiguous(), sb, ws, m, n, k, -(-steps // split),
         A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
+        **pdl_options(a2.device),
     )  # fmt: skip
     sum_splits(ws, c, split)
     return c.reshape(*lead, n)

@@ -40,7 +40,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from deepinfer_kernels.ops._triton_launch import hopper, sm90_or_newer
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import hopper, pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
@@ -98,11 +99,13 @@ def _expert_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
     SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     HAS_INDEX: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, NUM_WARPS: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
     expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8); else p is a gathered
     row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX) in all 8 columns, column 0 stored."""
+    pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
@@ -188,7 +191,7 @@ def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, 
         experts, index, r0, r1, n_out, x.shape[1], float(swiglu_limit) if swiglu_limit is not None else 0.0,
         SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
         HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"],
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 

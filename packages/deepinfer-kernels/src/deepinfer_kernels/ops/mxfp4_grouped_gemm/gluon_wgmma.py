@@ -38,6 +38,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 
@@ -57,10 +59,12 @@ def _expert_rows_wgmma_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
     FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     TN: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, X_SL: gl.constexpr, NUM_WARPS: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (slot p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows, interleaved by 8)
     of tile p's expert against its rows [r0, r1) (at most TN; ``expert_tile_schedule``, expert -1: empty slot).
     x: [R, K] bf16; w: [E, N, K / 2] packed E2M1; s: [E, N, K / 32] UE8M0 bytes; out: [R, N_OUT]."""
+    pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     p = gl.program_id(0).to(gl.int64)
     pid_n = gl.program_id(1)
     e = gl.load(tile_e_ptr + p).to(gl.int64)
@@ -146,6 +150,6 @@ def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, 
         xs, w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs, tile_e, r0, r1,
         n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        num_warps=cfg["num_warps"], **wgmma_meta(cfg),
+        num_warps=cfg["num_warps"], **wgmma_meta(cfg), **pdl_options(xs.device),
     )  # fmt: skip
     return out

@@ -24,7 +24,8 @@ from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
 
-try:  # the Triton backends (act_quant_fp8, the fake quantisers) register themselves; triton is optional
+try:  # the Triton backends (act_quant_fp8, the fake quantisers, the dequantisers) register themselves
+    from . import dequant_triton as _dequant_triton  # noqa: F401
     from . import fake_quant_triton as _fake_quant_triton  # noqa: F401
 except ImportError:
     pass

@@ -1,0 +1,34 @@
+"""``fp8_gemm_nt`` at prefill sizes: both operands dequantised to bf16 (``act_dequant_fp8``, ``fp8_block_dequantize``:
+one elementwise pass each), then one cuBLAS bf16 GEMM.
+
+Why: at thousands of rows the GEMM is bound by the tensor cores, and the Triton kernel (``triton.py``) rescales its
+fp32 accumulator every K block (each 32 or 128 of K: a multiply-add of the whole tile on the CUDA cores, on the
+critical path of every FP8 wgmma). An e4m3 value times a power-of-two scale has 4 significant bits and fits bf16
+exactly (above 2^-130: UE8M0 scale bytes >= 6, every checkpoint's), so the bf16 operands are the dequantised
+values of the op's definition and their products are exact in cuBLAS's fp32 sums: results differ from the
+reference only in the order of those sums. The weight pass costs 3 bytes a weight (read FP8, write bf16, which
+the GEMM reads back), small beside the GEMM at these sizes. Not yet measured on a GPU (session 31 could start no
+device): off in the dispatch (``gluon.py``, DEQUANT_MM_FROM_M) until it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.ops.quant import act_dequant_fp8, fp8_block_dequantize
+
+
+def fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
+    """``fp8_gemm_nt`` as dequantise + ``torch.mm`` (see the module docstring); fp32 and fp16 outputs come from
+    fp32 GEMM outputs (one rounding)."""
+    k = a.shape[-1]
+    n = b.shape[0]
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, k)
+    x = act_dequant_fp8(a2, a_scale.reshape(a2.shape[0], -1), block, torch.bfloat16)
+    w = fp8_block_dequantize(b, b_scale, (block, block), torch.bfloat16)
+    if out_dtype == torch.bfloat16:
+        y = torch.mm(x, w.t())
+    else:
+        y = torch.mm(x, w.t(), out_dtype=torch.float32).to(out_dtype)
+    return y.reshape(*lead, n)
