@@ -24,6 +24,16 @@ def split_sum_kernel(ws_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
+def k_split(tiles: int, steps: int, *, programs_per_sm: int, min_steps: int, max_split: int) -> int:
+    """The K split (a power of two) of a GEMM of ``tiles`` output tiles and ``steps`` K steps: doubled while the
+    programs stay within ~``programs_per_sm`` an SM, each split keeps at least ``min_steps`` steps, and at most
+    ``max_split``. From the shape only (never M), so a batch-invariant kernel stays so."""
+    split = 1
+    while split < max_split and tiles * split * 2 <= programs_per_sm * SMS and steps // (split * 2) >= min_steps:
+        split *= 2
+    return split
+
+
 def split_workspace(c: torch.Tensor, split: int) -> torch.Tensor:
     """Where a GEMM split ``split`` ways along K writes: ``c`` itself when unsplit, else an fp32 [split, *c.shape]
     workspace for ``sum_splits``."""

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
-from deepinfer_kernels.ops.fp8_gemm.triton import e8m0_to_f32
+from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
 from deepinfer_kernels.registry import register_backend
 
 from .reference import engram_gate_inject_ref, engram_gather_rows_ref

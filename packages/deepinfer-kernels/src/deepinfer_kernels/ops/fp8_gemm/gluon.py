@@ -35,12 +35,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import hopper, pdl_options
-from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
+from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
+from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 from .dequant_mm import fp8_gemm_nt_dequant_mm
 from .gluon_wgmma import BK, fp8_gemm_nt_wgmma
-from .triton import _scale_arg, cuda_fp8_available, e8m0_to_f32, fp8_gemm_nt_triton
+from .triton import _scale_arg, cuda_fp8_available, fp8_gemm_nt_triton
 
 
 @gluon.jit
@@ -135,12 +136,7 @@ NUM_WARPS = 4
 def _split(n: int, k: int) -> int:
     """K split (power of two, at most 16) from N and K only: up to ~16 programs an SM (bytes in flight: a program
     holds one 8 KB step), each at least 2 steps of 128."""
-    tiles = -(-n // BLOCK_N)
-    steps = k // 128
-    split = 1
-    while split < 16 and tiles * split * 2 <= 16 * SMS and steps // (split * 2) >= 2:
-        split *= 2
-    return split
+    return k_split(-(-n // BLOCK_N), k // 128, programs_per_sm=16, min_steps=2, max_split=16)
 
 
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):

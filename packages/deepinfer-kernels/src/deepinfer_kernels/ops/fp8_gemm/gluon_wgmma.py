@@ -39,9 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon_wgmma import _relabel_k
-from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
+from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
+from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 
-from .triton import _scale_arg, e8m0_to_f32
+from .triton import _scale_arg
 
 
 @gluon.jit
@@ -163,10 +164,7 @@ def wgmma_config(m: int, n: int, k: int) -> dict:
     """The tiling and K split for an [m, k] x [n, k]^T GEMM."""
     tn = next((t for t in TN_CHOICES if t >= m), TN_CHOICES[-1])
     tiles = triton.cdiv(m, tn) * triton.cdiv(n, BLOCK_N)
-    steps = k // BK
-    split = 1
-    while split < 16 and tiles * split * 2 <= PROGRAMS_PER_SM * SMS and steps // (split * 2) >= 4:
-        split *= 2
+    split = k_split(tiles, k // BK, programs_per_sm=PROGRAMS_PER_SM, min_steps=4, max_split=16)
     return {"TN": tn, "BLOCK_N": BLOCK_N, "BK": BK, "num_warps": NUM_WARPS, "split": split}
 
 

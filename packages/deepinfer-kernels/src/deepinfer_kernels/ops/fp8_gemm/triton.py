@@ -22,17 +22,9 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, sm90_or_newer
-from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
+from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
+from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
-
-
-@triton.jit
-def e8m0_to_f32(e):
-    """fp32 2^(e-127) of UE8M0 bytes (any integer tensor holding 0..255); 0 -> 2^-127, 255 -> NaN."""
-    ei = e.to(tl.int32) & 0xFF
-    bits = tl.where(ei == 0, 0x400000, ei << 23)  # byte 0 is the fp32 subnormal 2^-127
-    bits = tl.where(ei == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
 
 
 # M is not specialised: Triton would otherwise compile a separate kernel for M == 1 (measured 4x slower than
@@ -91,10 +83,7 @@ def _config(m: int | None, n: int, k: int, block: int) -> tuple[int, int, int, i
     """
     block_m = 64
     block_n = 128 if n >= 4096 else 64
-    tiles = -(-n // block_n)
-    split = 1
-    while tiles * split * 2 <= 2 * SMS and split < 8 and k // block // (split * 2) >= 4:
-        split *= 2
+    split = k_split(-(-n // block_n), k // block, programs_per_sm=2, min_steps=4, max_split=8)
     if m is not None and m > 64:
         split = 1
     return block_m, block_n, split, 4, 4 if block == 128 else 6

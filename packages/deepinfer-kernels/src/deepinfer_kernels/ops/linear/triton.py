@@ -14,7 +14,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
-from deepinfer_kernels.ops.split_k import SMS, split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 
@@ -57,10 +57,7 @@ def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int
     decode-size GEMM about two programs per SM (otherwise N / BLOCK_N programs stream the whole weight)."""
     fp32 = dtype == torch.float32
     block_m, block_n, block_k = 64, (128 if n >= 4096 else 64), (32 if fp32 else 64)
-    tiles = -(-n // block_n)
-    split = 1
-    while tiles * split * 2 <= 2 * SMS and split < 8 and k // block_k // (split * 2) >= 4:
-        split *= 2
+    split = k_split(-(-n // block_n), k // block_k, programs_per_sm=2, min_steps=4, max_split=8)
     return block_m, block_n, block_k, split, 4, (3 if fp32 else 4)
 
 

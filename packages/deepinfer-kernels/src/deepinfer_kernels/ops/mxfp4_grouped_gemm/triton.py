@@ -45,16 +45,8 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
+from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
 from deepinfer_kernels.registry import register_backend
-
-
-@triton.jit
-def _e8m0_to_f32(e):
-    """fp32 2^(e-127) of UE8M0 bytes; 0 -> 2^-127, 255 -> NaN."""
-    ei = e.to(tl.int32) & 0xFF
-    bits = tl.where(ei == 0, 0x400000, ei << 23)
-    bits = tl.where(ei == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -76,7 +68,7 @@ def _mxfp4_tile(w_ptr, s_ptr, rn, n_ok, k0, KH, KS, BLOCK_N: tl.constexpr, BLOCK
     codes = tl.interleave(packed & 0xF, (packed >> 4) & 0xF)  # element 2k = low nibble of byte k
     vals = _e2m1_to_f32(codes)
     rks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    sc = _e8m0_to_f32(tl.load(s_ptr + rn[:, None] * KS + rks[None, :], mask=n_ok[:, None], other=127))
+    sc = e8m0_to_f32(tl.load(s_ptr + rn[:, None] * KS + rks[None, :], mask=n_ok[:, None], other=127))
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return vals * sc
 

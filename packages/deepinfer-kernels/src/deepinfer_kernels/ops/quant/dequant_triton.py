@@ -18,7 +18,7 @@ from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_devic
 from deepinfer_kernels.registry import register_backend
 
 from .reference import act_dequant_fp8_ref, fp8_block_dequantize_ref
-from .triton import _exp2_int
+from .triton import e8m0_to_f32
 
 
 @triton.jit
@@ -36,8 +36,7 @@ def _dequant_kernel(
     q = tl.load(q_ptr + r[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
     s_ptrs = s_ptr + (r // B0)[:, None] * S_COLS + (k // B1)[None, :]
     if E8M0:
-        e = tl.load(s_ptrs, mask=ok, other=127).to(tl.int32)
-        s = tl.where(e == 255, float("nan"), _exp2_int(e - 127))
+        s = e8m0_to_f32(tl.load(s_ptrs, mask=ok, other=127))
     else:
         s = tl.load(s_ptrs, mask=ok, other=1.0)
     tl.store(out_ptr + r[:, None] * K + k[None, :], (q * s).to(out_ptr.dtype.element_ty), mask=ok)

@@ -1,4 +1,5 @@
-"""Triton backend of ``act_quant_fp8`` (per-token FP8 quantisation of activations, power-of-two scales).
+"""Triton backend of ``act_quant_fp8`` (per-token FP8 quantisation of activations, power-of-two scales), and the
+UE8M0 scale decode (``e8m0_to_f32``) every kernel reading block-scaled FP8 / MXFP4 weights shares.
 
 Bit-exact with the reference: the scale exponent is read from the fp32 bits of max(amax, 1e-4) * fp32(1/448)
 exactly as ``formats.pow2_scale_exponent`` does, and x is multiplied by the exact power of two 2^-e (equal to
@@ -23,6 +24,15 @@ from .reference import act_quant_fp8_ref
 def _exp2_int(e):
     """Exact fp32 2^e for int32 e in [-127, 127] (2^-127 is the subnormal 0x00400000)."""
     bits = tl.where(e > -127, (e + 127) << 23, 0x400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_to_f32(e):
+    """fp32 2^(e-127) of UE8M0 bytes (any integer tensor holding 0..255); 0 -> 2^-127, 255 -> NaN."""
+    ei = e.to(tl.int32) & 0xFF
+    bits = tl.where(ei == 0, 0x400000, ei << 23)  # byte 0 is the fp32 subnormal 2^-127
+    bits = tl.where(ei == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
 
 
