@@ -5,9 +5,10 @@ Run from the repository root:  python packages/deepinfer-kernels/benchmarks/benc
 Measures in the same run the ceilings (copy GB/s, bf16 matmul and fp8 ``_scaled_mm`` TFLOP/s at 8192^3), then
 for each (N, K) and M in decode (1, 8, 16, 64, 256) and prefill (4096, 8192) sizes: the Triton backends
 (``triton``: M-dependent tiles; ``triton_fixed``: batch-invariant), the registry's choice (``gluon``: the Gluon
-decode kernel up to ``GLUON_MAX_M`` rows, the wgmma kernel up to ``WGMMA_MAX_M`` on sm_90, dequantise + cuBLAS from
-``DEQUANT_MM_FROM_M``, Triton's otherwise; the last two off until measured, so timed on their own as ``wgmma``
-(sm_90, M <= 1024) and ``dequant_mm`` (M >= 256), each checked against ``triton_fixed``) and the torch peers
+decode kernel up to ``GLUON_MAX_M`` rows, then the bf16 routes where on: the in-kernel dequant kernel up to
+``BF16_MAX_M``, dequantise + cuBLAS from ``DEQUANT_MM_FROM_M``, Triton's otherwise), the two bf16 routes on their
+own (``bf16_kernel`` at 1 < M <= 1024, ``dequant_mm`` at M >= 256, each checked against ``triton_fixed``; the
+activation scales are UE8M0 as the model's) and the torch peers
 (dequantise A and B to bf16 + bf16 matmul, every call; bf16 matmul on pre-dequantised weights; ``_scaled_mm``
 with row-wise scales, which is cheaper math than block scales); at decode sizes (M <= 64) also Triton and Gluon
 after a 256 MB copy (cold L2, as a decode step runs them). Prints TFLOP/s, GB/s (bytes of A, B, scales and C once)
@@ -24,11 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_util import Recorder, bench_ms, cold_us, copy_ceiling_gbs, matmul_ceiling_tflops  # noqa: E402
-from deepinfer_kernels.ops._triton_launch import hopper  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm import gluon  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm import triton as backend  # noqa: E402
 from deepinfer_kernels.ops.fp8_gemm.dequant_mm import fp8_gemm_nt_dequant_mm  # noqa: E402
-from deepinfer_kernels.ops.fp8_gemm.gluon_wgmma import fp8_gemm_nt_wgmma  # noqa: E402
+from deepinfer_kernels.ops.fp8_gemm.triton_bf16 import fp8_gemm_nt_triton_bf16  # noqa: E402
 from deepinfer_kernels.ops.quant.reference import act_dequant_fp8_ref, fp8_block_dequantize_ref  # noqa: E402
 
 # (name, N, K, block): V4.1-Flash MXFP8 dense projections (hidden 5120), two V4-Flash 128x128 ones
@@ -53,10 +53,10 @@ def fp8_scaled_mm_ceiling(n: int = 8192) -> float:
 
 
 def operands(m, n, k, block):
-    """fp8 codes from random normals; power-of-two scales as act_quant_fp8 / the checkpoints produce."""
+    """fp8 codes from random normals; UE8M0 scales as the model's act_quant_fp8 and the checkpoints produce."""
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
     b = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    sa = torch.exp2(torch.randint(-8, 0, (m, k // block), device="cuda").float())
+    sa = torch.randint(119, 127, (m, k // block), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
     sb = torch.randint(118, 124, (-(-n // block), k // block), device="cuda", dtype=torch.uint8)
     return a, sa, b, sb.view(torch.float8_e8m0fnu)
 
@@ -66,14 +66,14 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
     a, sa, b, sb = operands(m, n, k, block)
     ref = backend.fp8_gemm_nt_triton_fixed(a, sa, b, sb, block)  # also the compile / warm-up
     flops = 2 * m * n * k
-    nbytes = m * k + n * k + m * n * 2 + sa.numel() * 4 + sb.numel()
+    nbytes = m * k + n * k + m * n * 2 + sa.numel() + sb.numel()
     a_bf16 = act_dequant_fp8_ref(a, sa, block, torch.bfloat16)
     ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
     cands = {
         "triton": lambda: backend.fp8_gemm_nt_triton(a, sa, b, sb, block),
         "triton_fixed": lambda: backend.fp8_gemm_nt_triton_fixed(a, sa, b, sb, block),
         "gluon": lambda: gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block),
-        "wgmma": lambda: fp8_gemm_nt_wgmma(a, sa, b, sb, block),  # the routes off in the dispatch until measured
+        "bf16_kernel": lambda: fp8_gemm_nt_triton_bf16(a, sa, b, sb, block),
         "dequant_mm": lambda: fp8_gemm_nt_dequant_mm(a, sa, b, sb, block),
         "torch_dequant_mm": lambda: (
             act_dequant_fp8_ref(a, sa, block, torch.bfloat16)
@@ -88,11 +88,11 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
     err_g = (gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block).float() - ref.float()).norm() / ref.float().norm()
     row = {"shape": name, "M": m, "N": n, "K": k, "block": block, "triton_vs_fixed_rel": float(err),
            "gluon_vs_fixed_rel": float(err_g)}  # fmt: skip
-    if not (hopper() and 1 < m <= 1024 and k % 64 == 0):
-        del cands["wgmma"]
+    if not (1 < m <= 1024 and k % 64 == 0):
+        del cands["bf16_kernel"]
     if m < 256:
         del cands["dequant_mm"]
-    for cname in ("wgmma", "dequant_mm"):
+    for cname in ("bf16_kernel", "dequant_mm"):
         row[cname + "_us"] = float("nan")
         if cname in cands:
             got = cands[cname]().float()
@@ -109,11 +109,11 @@ def bench_case(rec, ceil, name, m, n, k, block, wdq) -> dict:
         row["%copy_cold"] = 100 * nbytes / min(row["triton_cold_us"], row["gluon_cold_us"]) / 1e3 / ceil["copy_GBps"]
     else:
         row["%copy_cold"] = float("nan")
-    best = min(row["triton_us"], row["triton_fixed_us"], row["gluon_us"], row["wgmma_us"], row["dequant_mm_us"])
+    best = min(row["triton_us"], row["triton_fixed_us"], row["gluon_us"], row["bf16_kernel_us"], row["dequant_mm_us"])
     row["TFLOPs"] = flops / best / 1e6
     row["GBps"] = nbytes / best / 1e3
     row["%fp8"] = 100 * row["TFLOPs"] / ceil["fp8_TFLOPs"]
-    row["%bf16"] = 100 * row["TFLOPs"] / ceil["bf16_TFLOPs"]  # the wgmma and cuBLAS paths run bf16 MMAs
+    row["%bf16"] = 100 * row["TFLOPs"] / ceil["bf16_TFLOPs"]  # the bf16 routes run bf16 MMAs
     row["%copy"] = 100 * row["GBps"] / ceil["copy_GBps"]
     return row
 
@@ -141,8 +141,8 @@ def main() -> None:
         for m in m_sizes:
             table.append(bench_case(rec, ceil, name, m, n, k, block, wdq))
     print("\n== fp8_gemm_nt (us; TFLOP/s, GB/s and % of ceilings for the fastest of ours)")
-    cols = ["shape", "M", "triton_us", "triton_fixed_us", "gluon_us", "wgmma_us", "dequant_mm_us", "triton_cold_us",
-            "gluon_cold_us", "%copy_cold",
+    cols = ["shape", "M", "triton_us", "triton_fixed_us", "gluon_us", "bf16_kernel_us", "dequant_mm_us",
+            "triton_cold_us", "gluon_cold_us", "%copy_cold",
             "torch_dequant_mm_us", "torch_bf16_mm_us",
             "scaled_mm_rowwise_us", "TFLOPs", "%fp8", "%bf16", "GBps", "%copy"]  # fmt: skip
     print("  ".join(f"{c:>12}" for c in cols))

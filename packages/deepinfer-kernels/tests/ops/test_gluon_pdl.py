@@ -21,19 +21,16 @@ MXFP4_SIG = {
 
 def _kernels():
     from deepinfer_kernels.ops.fp8_gemm import gluon as fp8_rows
-    from deepinfer_kernels.ops.fp8_gemm import gluon_wgmma as fp8_wgmma
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as mx_rows
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_wgmma as mx_wgmma
 
     rows_sig = dict(MXFP4_SIG, expert_ptr="*i32", index_ptr="*i32")
     del rows_sig["tile_e_ptr"]
-    cfg, mcfg = fp8_wgmma.wgmma_config(64, 4096, 5120), mx_rows.SORTED_CFG
+    mcfg = mx_rows.SORTED_CFG
     epi = dict(FUSE=True, HAS_LIMIT=True, HAS_RS=False)
     tiles = dict(BLOCK_N=mcfg["BLOCK_N"], BKH=mcfg["BKH"], NUM_WARPS=4)
     return {
         "fp8_rows": (fp8_rows._fp8_rows_kernel, FP8_SIG, dict(A_E8M0=False, B_E8M0=True, BLOCK_N=64, NUM_WARPS=4)),
-        "fp8_wgmma": (fp8_wgmma._fp8_wgmma_kernel, FP8_SIG,
-                      dict(SB=32, A_E8M0=False, B_E8M0=True, X_BF16=False, **fp8_wgmma.wgmma_meta(cfg))),
         "mxfp4_rows": (mx_rows._expert_rows_kernel, rows_sig,
                        dict(SORTED=True, HAS_INDEX=False, **tiles, **epi)),
         "mxfp4_wgmma": (mx_wgmma._expert_rows_wgmma_kernel, MXFP4_SIG,
@@ -42,7 +39,7 @@ def _kernels():
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
-@pytest.mark.parametrize("name", ["fp8_rows", "fp8_wgmma", "mxfp4_rows", "mxfp4_wgmma"])
+@pytest.mark.parametrize("name", ["fp8_rows", "mxfp4_rows", "mxfp4_wgmma"])
 def test_pdl_wait_before_loads(name):
     import triton
     from triton.backends.compiler import GPUTarget

@@ -375,6 +375,9 @@ def test_act_quant_fp8(gen, block, k):
     raw = s2.view(torch.uint8).view(3, 4, g)
     assert torch.equal(act_dequant_fp8(q, raw, block), act_dequant_fp8(q, scale, block))
     assert torch.equal(act_dequant_fp8(q, raw.view(torch.float8_e8m0fnu), block), act_dequant_fp8(q, scale, block))
+    q8, s8 = act_quant_fp8(x, block, scale_dtype=torch.float8_e8m0fnu)  # the same powers of two as bytes
+    assert s8.dtype == torch.float8_e8m0fnu and torch.equal(q8.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(s8.view(torch.uint8), raw) and torch.equal(s8.float(), scale)
 
 
 # ---------------------------------------------------------------- fake quantizers
@@ -521,6 +524,7 @@ def test_empty_tensors():
         (lambda: mxfp4_dequantize(torch.zeros(4, 16, dtype=torch.int8), torch.ones(4, 1)), "scale must"),
         (lambda: act_quant_fp8(torch.zeros(4, 64), 0), "block"),
         (lambda: act_quant_fp8(torch.tensor(1.0), 32), "x must have at least one dimension"),
+        (lambda: act_quant_fp8(torch.zeros(4, 64), 32, torch.bfloat16), "scale_dtype"),
         (lambda: act_dequant_fp8(torch.zeros(4, 64, dtype=F8), torch.ones(4, 3), 32), "scale shape"),
         (lambda: fake_quant_fp8_ue8m0(torch.zeros(4, 48), 32), "multiple of block"),
         (lambda: fake_quant_e2m1(torch.zeros(4, 48), 32, "ue8m0"), "multiple of block"),

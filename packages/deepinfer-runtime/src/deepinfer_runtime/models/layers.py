@@ -93,7 +93,9 @@ class Linear(nn.Module):
         if self.block is None:
             return linear(x, self.weight)
         rows = x.reshape(-1, x.shape[-1])
-        a, a_scale = act_quant_fp8(rows, self.block)
+        # UE8M0 activation scales: the same powers of two in a quarter of the bytes, and a dtype fp8_gemm_nt can
+        # trust to be powers of two (its bf16 routes dequantise exactly only then)
+        a, a_scale = act_quant_fp8(rows, self.block, scale_dtype=torch.float8_e8m0fnu)
         y = fp8_gemm_nt(a, a_scale, self.qweight, self.scale, self.block, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -35,7 +35,9 @@ def fp8_gemm_nt(
 
     Mathematically the fp32 product of the two dequantised operands, cast once to ``out_dtype``. Backends
     accumulate in fp32, one K-block of ``block`` at a time (each block's partial product is scaled by
-    a_scale * b_scale and added), so results agree with the reference to fp32 summation-order error.
+    a_scale * b_scale and added) or, for UE8M0 scales on both operands, as a bf16 GEMM of the exactly dequantised
+    operands (e4m3 times a power of two fits bf16), so results agree with the reference to fp32 summation-order
+    error.
 
     Args:
         a: [..., K] float8_e4m3fn activations (leading dims flattened to M rows), K a multiple of ``block``.

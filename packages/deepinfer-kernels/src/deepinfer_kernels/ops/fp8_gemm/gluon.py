@@ -1,8 +1,8 @@
 """Gluon backend of ``fp8_gemm_nt`` for MXFP8 (block 32, V4.1-Flash's dense weights) at decode sizes (M <=
 GLUON_MAX_M rows): the weights stream through ``mma.sync`` as the wide A operand, the few activation rows are the B
-operand's 8 columns (sm_90, where it was tuned and tested: the H200). More rows, block 128 (V4) and K % 128 != 0
-go to the Triton kernel, unless the two routes of the constants below (off until measured) are turned on: up to
-WGMMA_MAX_M rows the wgmma kernel of ``gluon_wgmma.py``, from DEQUANT_MM_FROM_M rows dequantise + cuBLAS.
+operand's 8 columns (sm_90, where it was tuned and tested: the H200). The registered backend also routes the other
+sizes: with UE8M0 scales on both operands, up to BF16_MAX_M rows the in-kernel dequant kernel (``triton_bf16.py``)
+and from DEQUANT_MM_FROM_M rows dequantise + cuBLAS (``dequant_mm.py``); everything else to the Triton kernel.
 
 Why: at a few rows the Triton kernel (``triton.py``) is a weight stream at 5-45% of copy (``bench_fp8_gemm.py``),
 its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K block of 32.
@@ -34,14 +34,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
-from deepinfer_kernels.ops._triton_launch import hopper, pdl_options
+from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
 from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
 
 from .dequant_mm import fp8_gemm_nt_dequant_mm
-from .gluon_wgmma import BK, fp8_gemm_nt_wgmma
 from .triton import _scale_arg, cuda_fp8_available, fp8_gemm_nt_triton
+from .triton_bf16 import BK as BF16_BK
+from .triton_bf16 import fp8_gemm_nt_triton_bf16
 
 
 @gluon.jit
@@ -121,14 +122,13 @@ def _fp8_rows_kernel(
 # Decode sizes only: above GLUON_MAX_M rows a program's 8 columns re-read and re-convert the weights per 8 rows
 # and the Triton kernel's 64-row tiles win (session 30 measurements in the module docstring).
 GLUON_MAX_M = 16
-# Two more routes, written in session 31 and OFF until measured on the H200 (that session could start no device:
-# both are compile-checked for sm_90 and tested on the CPU, not yet run on a GPU). Turn them on for an A/B with
-# ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.WGMMA_MAX_M=256`` (and ``...DEQUANT_MM_FROM_M=1024``):
-# * GLUON_MAX_M < rows <= WGMMA_MAX_M (sm_90, block 32): the wgmma kernel of ``gluon_wgmma.py`` (both operands
-#   dequantised exactly to bf16, no per-block accumulator rescale); 0: off;
+# Two bf16 routes for UE8M0 scales on both operands (powers of two: e4m3 x scale is exact in bf16, so they
+# need no per-block accumulator rescale; fp32 scales, which need not be powers of two, stay in Triton's kernel):
+# * GLUON_MAX_M < rows <= BF16_MAX_M: the in-kernel dequant Triton kernel (``triton_bf16.py``); 0: off;
 # * rows >= DEQUANT_MM_FROM_M: dequantise both operands, one cuBLAS bf16 GEMM (``dequant_mm.py``); None: off.
-WGMMA_MAX_M = 0
-DEQUANT_MM_FROM_M: int | None = None
+# A/B them with ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.BF16_MAX_M=512``.
+BF16_MAX_M = 0
+DEQUANT_MM_FROM_M: int | None = 4096  # prefill chunks; measured in dequant_mm.py's docstring
 BLOCK_N = 64
 NUM_WARPS = 4
 
@@ -139,17 +139,23 @@ def _split(n: int, k: int) -> int:
     return k_split(-(-n // BLOCK_N), k // 128, programs_per_sm=16, min_steps=2, max_split=16)
 
 
+def _ue8m0(scale: torch.Tensor) -> bool:
+    """UE8M0 scales (float8_e8m0fnu or raw bytes): powers of two by their format, so e4m3 x scale fits bf16."""
+    return scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
+
+
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
-    """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M, the wgmma and dequantise + cuBLAS routes where
-    turned on (see WGMMA_MAX_M, DEQUANT_MM_FROM_M); other sizes, block 128 and K % 128 != 0: the Triton kernel."""
+    """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M; with UE8M0 scales on both sides the bf16 routes
+    (BF16_MAX_M, DEQUANT_MM_FROM_M); other sizes, block 128 and K % 128 != 0: the Triton kernel."""
     k = a.shape[-1]
     n = b.shape[0]
     lead = a.shape[:-1]
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
-    if block == 32 and GLUON_MAX_M < m <= WGMMA_MAX_M and k % BK == 0 and hopper(a.device):
-        return fp8_gemm_nt_wgmma(a, a_scale, b, b_scale, block, out_dtype)
-    if DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and n > 0:
+    exact_bf16 = _ue8m0(a_scale) and _ue8m0(b_scale)  # the bf16 routes' condition (dequant_mm.py)
+    if exact_bf16 and GLUON_MAX_M < m <= BF16_MAX_M and k % BF16_BK == 0:
+        return fp8_gemm_nt_triton_bf16(a, a_scale, b, b_scale, block, out_dtype)
+    if exact_bf16 and DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and n > 0:
         return fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block, out_dtype)
     if block != 32 or m > GLUON_MAX_M or k % 128 or m == 0 or n == 0:
         return fp8_gemm_nt_triton(a, a_scale, b, b_scale, block, out_dtype)

@@ -212,7 +212,9 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch
 # ---------------------------------------------------------------- FP8 activations
 
 
-def act_quant_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_fp8(
+    x: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(1 x block) FP8 quantisation of activations with power-of-two scales (V4: 128, V4.1: 32).
 
     For each block of ``block`` consecutive elements along the last dim (the last block may be partial):
@@ -221,16 +223,20 @@ def act_quant_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     Args:
         x: [..., K] float16/bfloat16/float32/float64.
         block: positive int.
+        scale_dtype: float32 (default) or float8_e8m0fnu: the same powers of two as UE8M0 bytes (a quarter of
+            the bytes, and a dtype that says "power of two": ``fp8_gemm_nt``'s bf16 routes take only such scales).
 
     Returns:
         q: [..., K] float8_e4m3fn.
-        scale: [..., ceil(K/block)] float32, every entry a power of two.
+        scale: [..., ceil(K/block)] ``scale_dtype``, every entry a power of two.
     """
     op = "act_quant_fp8"
     _check_float(op, "x", x)
     _check_dim(op, "x", x, None)
     block = _check_block(op, block)
-    return dispatch(op, x.device, x, block)
+    if scale_dtype not in (torch.float32, torch.float8_e8m0fnu):
+        raise ValueError(f"{op}: scale_dtype must be torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}")
+    return dispatch(op, x.device, x, block, scale_dtype)
 
 
 def act_dequant_fp8(

@@ -119,12 +119,15 @@ def mxfp4_dequantize_ref(
 
 
 @register_reference("act_quant_fp8")
-def act_quant_fp8_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_fp8_ref(
+    x: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     e = pow2_scale_exponent(_row_block_amax(x, block), FP8_AMAX_FLOOR, FP8_E4M3_MAX)
     s = exp2_int(e)
     y = x.float() / _expand_last(s, block, k)
-    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), s
+    q = y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (s if scale_dtype == torch.float32 else exponent_to_ue8m0(e))
 
 
 @register_reference("act_dequant_fp8")

@@ -94,30 +94,40 @@ def launch_grid(rows: int, blocks: int, block: int) -> tuple[tuple[int, int], in
 @triton.jit
 def _act_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, G,
-    BLOCK: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr, E8M0: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """E8M0: the scales as UE8M0 bytes e + 127 (``s_ptr`` a uint8 view), else fp32 2^e."""
     pdl_prologue(PDL)
     row, g, k, ok, x, amax = _row_blocks(x_ptr, K, G, BLOCK, GROUPS)
     e = _pow2_exponent(amax, 1e-4, 1.0 / 448.0)  # the DeepSeek kernels' fp32 multiply by 1/448
     y = x * _exp2_int(-e)[:, None]  # exact: same value as x / 2^e
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     tl.store(q_ptr + row * K + k, _round_e4m3(y).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row * G + g, _exp2_int(e), mask=g < G)
+    if E8M0:
+        tl.store(s_ptr + row * G + g, (e + 127).to(tl.uint8), mask=g < G)
+    else:
+        tl.store(s_ptr + row * G + g, _exp2_int(e), mask=g < G)
 
 
-def act_quant_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_fp8_triton(
+    x: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``act_quant_fp8`` for power-of-two ``block`` in [16, 1024]; other blocks go to the reference."""
     if not tiled_block(x, block):
-        return act_quant_fp8_ref(x, block)
+        return act_quant_fp8_ref(x, block, scale_dtype)
     k = x.shape[-1]
     g = -(-k // block)
     x2 = x.reshape(-1, k).contiguous()
     rows = x2.shape[0]
+    e8m0 = scale_dtype != torch.float32
     q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(rows, g, dtype=torch.float32, device=x.device)
+    s = torch.empty(rows, g, dtype=torch.uint8 if e8m0 else torch.float32, device=x.device)
     if rows and k:
         grid, groups = launch_grid(rows, g, block)
-        _act_quant_fp8_kernel[grid](x2, q, s, k, g, BLOCK=block, GROUPS=groups, num_warps=4, **pdl_options(x2.device))
+        _act_quant_fp8_kernel[grid](
+            x2, q, s, k, g, BLOCK=block, GROUPS=groups, E8M0=e8m0, num_warps=4, **pdl_options(x2.device)
+        )
+    s = s.view(torch.float8_e8m0fnu) if e8m0 else s
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], g)
 
 
