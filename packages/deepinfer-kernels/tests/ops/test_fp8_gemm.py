@@ -8,6 +8,8 @@ batch-invariance of the ``triton_fixed`` backend (row r alone == row r among 64 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
@@ -364,6 +366,8 @@ def test_bf16_kernel_compiles_for_sm90(block, block_m):
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     ptx = kern.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned" in ptx and ".bf16.bf16" in ptx
+    # the converted weights are the A operand from registers (4 32-bit registers), the activations a descriptor
+    assert re.search(r"wgmma\.mma_async\S*\.bf16\.bf16 \{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd", ptx)
     assert "cp.async" in ptx and "griddepcontrol.wait" in ptx
     assert ".local" not in ptx
 

@@ -51,9 +51,10 @@ def _fp8_gemm_nt_bf16_kernel(
     NB: tl.constexpr = BK // SB if SB < BK else 1  # scale blocks a step
     kb = tl.arange(0, NB)
     rk = tl.arange(0, BK)
-    w_ptrs = b_ptr + _clamped_rows(rn, N) * K + rk[None, :]
+    w_rows = _clamped_rows(rn, N)
+    w_ptrs = b_ptr + w_rows * K + rk[None, :]
     x_ptrs = x_ptr + _clamped_rows(rm, M) * K + rk[None, :]
-    s_rows = bs_ptr + (tl.minimum(rn, N - 1) // SB).to(tl.int64)[:, None] * (K // SB)
+    s_rows = bs_ptr + (w_rows // SB) * (K // SB)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     s_lo = pid_k * STEPS_PER_SPLIT
     s_hi = tl.minimum(s_lo + STEPS_PER_SPLIT, K // BK)
