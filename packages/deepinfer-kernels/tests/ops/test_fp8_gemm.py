@@ -152,12 +152,28 @@ INTERPRETED = {
     "gemm-128-ue8m0": ("_interp_fp8_gemm", (128, "ue8m0", 5, 96, 256)),
     "gemm-128-float-M70": ("_interp_fp8_gemm", (128, "float", 70, 64, 384)),
     "gemm-32-ue8m0-split4": ("_interp_fp8_gemm", (32, "ue8m0", 3, 80, 512)),  # K split in 4
+    "gemm-32-ue8m0-M70-split4": ("_interp_fp8_gemm", (32, "ue8m0", 70, 64, 512)),  # 2 row tiles, K split in 4
     "gemm-32-ue8m0-act-ue8m0": ("_interp_fp8_gemm", (32, "ue8m0", 9, 64, 256, True)),  # the model's scales
     "bf16-32": ("_interp_bf16", (32, 40, 200, 384)),
     "bf16-128": ("_interp_bf16", (128, 3, 130, 512)),
     "act_quant-128": ("_interp_act_quant", (128, 256)),
     "act_quant-32-partial": ("_interp_act_quant", (32, 200)),
 }
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+def test_triton_k_split_rule():
+    """Up to 64 rows (and always for the batch-invariant variant) the K split comes from (N, K) alone; above, it
+    counts the row tiles too, so it shrinks as M grows and is gone at prefill sizes."""
+    from deepinfer_kernels.ops.fp8_gemm import triton as backend
+
+    for n, k in V41_SHAPES:
+        fixed = backend._config(None, n, k, 32)
+        assert all(backend._config(m, n, k, 32) == fixed for m in (1, 17, 64))
+        splits = [backend._config(m, n, k, 32)[2] for m in (65, 128, 256, 512, 1024, 4096)]
+        assert splits == sorted(splits, reverse=True) and splits[0] <= fixed[2] and splits[-1] == 1, (n, k, splits)
+    assert backend._config(256, 512, 5120, 32)[2] == 8  # wkv: 32 tiles, well under the SMs
+    assert backend._config(128, 64, 512, 32)[2] == 4  # the interpreted M70 case: 2 tiles, 16 K blocks
 
 
 # every case in one TRITON_INTERPRET=1 child process
@@ -324,12 +340,13 @@ def test_gpu_triton_bf16_sizes(block, shape, monkeypatch):
 @pytest.mark.parametrize("block,shape", [(32, s) for s in V41_SHAPES[:4]] + [(128, s) for s in V4_SHAPES])
 def test_gpu_dequant_mm(block, shape, monkeypatch):
     """Prefill sizes: both operands dequantised to bf16 (exact) and one cuBLAS GEMM, against the reference within
-    1e-5 (fp32 out: exact products, fp32 sums) and 1e-2 (bf16 out); with the route on (DEQUANT_MM_FROM_M 1024) the
-    backend chooses it (bitwise the same call)."""
+    1e-5 (fp32 out: exact products, fp32 sums) and 1e-2 (bf16 out); the backend chooses it (bitwise the same call)
+    from DEQUANT_MM_FROM_M rows for the scale blocks of DEQUANT_MM_BLOCKS (by default 32 only: 128-blocks and 1026
+    rows go to Triton)."""
     from deepinfer_kernels.ops.fp8_gemm import gluon
     from deepinfer_kernels.ops.fp8_gemm.dequant_mm import fp8_gemm_nt_dequant_mm
 
-    monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", 1024)
+    monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", 1027)
     n, k = shape
     m = 1027
     a, sa, b, sb = make_operands(m, n, k, block, "ue8m0", seed=n + k, device="cuda", a_scale_dtype=E8M0)
@@ -337,7 +354,11 @@ def test_gpu_dequant_mm(block, shape, monkeypatch):
     assert_rel_close(fp8_gemm_nt_dequant_mm(a, sa, b, sb, block, torch.float32), ref, 1e-5, f"fp32 {m}x{n}x{k}")
     got = fp8_gemm_nt_dequant_mm(a, sa, b, sb, block)
     assert_rel_close(got, ref, 1e-2, f"bf16 {m}x{n}x{k}")
-    assert_bitwise(gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block), got, "dispatch")
+    triton_bits = _backends().fp8_gemm_nt_triton(a, sa, b, sb, block)
+    assert_bitwise(gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block), got if block == 32 else triton_bits, "dispatch")
+    assert_bitwise(gluon.fp8_gemm_nt_gluon(a[1:], sa[1:], b, sb, block), triton_bits[1:], "1026 rows: Triton")
+    monkeypatch.setattr(gluon, "DEQUANT_MM_BLOCKS", (32, 128))
+    assert_bitwise(gluon.fp8_gemm_nt_gluon(a, sa, b, sb, block), got, "dispatch, both blocks on")
     # fp32 scales need not be powers of two (bf16 would round their products): the Triton kernel serves them
     sa32 = sa.float()
     assert_bitwise(

@@ -358,20 +358,24 @@ def test_gpu_sorted_gluon_real_shapes(v41_experts, t, kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [8, 64, 300])
+@pytest.mark.parametrize("t", [8, 64, 300, 700])
 def test_gpu_sorted_gluon_split(v41_experts, t, monkeypatch):
     """The split dispatch uses on sm_90: skewed routing sends experts of every size class to the kernels (at 8
-    and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300, over WGMMA_FROM_ROWS, mma.sync <= MMA_MAX_ROWS <
-    wgmma <= WGMMA_MAX_ROWS < Triton); a K the Gluon kernels do not serve goes to Triton; with no rows for the
-    Gluon kernels every expert is in the Triton one, bitwise."""
+    and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300 and 700, over WGMMA_FROM_ROWS, mma.sync <=
+    MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall: the threshold
+    lowered to two rows an expert); a K the Gluon kernels do not serve goes to Triton; with no rows for the Gluon
+    kernels (and 64-row tiles) every expert is in the Triton one, bitwise."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
 
+    monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", 2)  # tall from 2 E rows: 300 and 700 tokens
     w13, s13, w2, s2 = v41_experts
     ref = reference("mxfp4_grouped_gemm")
     x, experts, weights = _tokens(t, seed=400 + t)
     experts = (experts.double() ** 2 / EXPERTS).long()  # expert e gets ~R / (2 sqrt(E e)) rows: every size class
     xs, order, offsets = moe_permute(x, experts, EXPERTS)
+    if t >= 300:  # the tall tiles have experts to serve
+        assert xs.shape[0] >= 2 * EXPERTS and int((offsets[1:] - offsets[:-1]).max()) > backend.WGMMA_MAX_ROWS
     kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
     h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
     h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
@@ -380,7 +384,8 @@ def test_gpu_sorted_gluon_split(v41_experts, t, monkeypatch):
     yk_ref = ref(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
     assert_rel_close(yk, yk_ref.float(), 1e-2, f"gluon sorted, K = 2240 (Triton), {t} tokens")
     monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 30)
-    monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel
+    monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel's 64-row tiles
+    monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", None)
     h_tr = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
     assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "no Gluon rows")
 

@@ -8,10 +8,15 @@ exactly (above 2^-130: UE8M0 scale bytes >= 6, every checkpoint's), so the bf16 
 values of the op's definition and their products are exact in cuBLAS's fp32 sums: results differ from the
 reference only in the order of those sums. The weight pass costs 3 bytes a weight (read FP8, write bf16, which
 the GEMM reads back), small beside the GEMM at these sizes. The values are exact only for power-of-two scales,
-so the dispatch (``gluon.py``) sends only UE8M0 scales here. Measured on an H200 (session 32, ``bench_fp8_gemm.py``,
-us Triton -> this at 4096 rows): V4.1 wq_b 1103 -> 553, wo_b 978 -> 576, shared w13 538 -> 330, shared w2 277 ->
-158, wq_a 211 -> 135, wkv 90 -> 97; V4 wq_b (128-blocks) 512 -> 432. At 1024 rows it loses on the narrow ones
-(wq_a 70 -> 84, wkv 53 -> 84), hence DEQUANT_MM_FROM_M = 4096.
+so the dispatch (``gluon.py``) sends only UE8M0 scales here.
+
+Measured (device time, CUDA graphs, us Triton -> this) on an H100, session 33, at 1024 / 4096 rows: V4.1 wq_a
+67 -> 41 / 225 -> 104, wq_b 321 -> 168 / 1279 -> 496, wkv 37 -> 26 / 110 -> 68, wo_b 272 -> 178 / 1100 -> 543,
+shared w13 193 -> 99 / 586 -> 290, shared w2 79 -> 56 / 287 -> 153; hence DEQUANT_MM_FROM_M = 1024 (at 256 rows
+it loses to the split Triton kernel on most shapes). 128-blocks rescale a quarter as often and Triton's kernel
+reaches 500-730 TFLOP/s there: V4 wq_b 527 -> 437, wo_b 381 -> 445 at 4096 rows, hence DEQUANT_MM_BLOCKS = (32,).
+(Session 32's H200 ``bench_fp8_gemm.py`` times at 1024 rows, where this lost, were host-bound: three launches
+and two allocations against one kernel.)
 """
 
 from __future__ import annotations

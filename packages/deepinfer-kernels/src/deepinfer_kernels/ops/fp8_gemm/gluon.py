@@ -2,7 +2,8 @@
 GLUON_MAX_M rows): the weights stream through ``mma.sync`` as the wide A operand, the few activation rows are the B
 operand's 8 columns (sm_90, where it was tuned and tested: the H200). The registered backend also routes the other
 sizes: with UE8M0 scales on both operands, up to BF16_MAX_M rows the in-kernel dequant kernel (``triton_bf16.py``)
-and from DEQUANT_MM_FROM_M rows dequantise + cuBLAS (``dequant_mm.py``); everything else to the Triton kernel.
+and from DEQUANT_MM_FROM_M rows (32-blocks) dequantise + cuBLAS (``dequant_mm.py``); everything else to the
+Triton kernel.
 
 Why: at a few rows the Triton kernel (``triton.py``) is a weight stream at 5-45% of copy (``bench_fp8_gemm.py``),
 its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K block of 32.
@@ -125,10 +126,12 @@ GLUON_MAX_M = 16
 # Two bf16 routes for UE8M0 scales on both operands (powers of two: e4m3 x scale is exact in bf16, so they
 # need no per-block accumulator rescale; fp32 scales, which need not be powers of two, stay in Triton's kernel):
 # * GLUON_MAX_M < rows <= BF16_MAX_M: the in-kernel dequant Triton kernel (``triton_bf16.py``); 0: off;
-# * rows >= DEQUANT_MM_FROM_M: dequantise both operands, one cuBLAS bf16 GEMM (``dequant_mm.py``); None: off.
+# * rows >= DEQUANT_MM_FROM_M and the scale block in DEQUANT_MM_BLOCKS: dequantise both operands, one cuBLAS bf16
+#   GEMM (``dequant_mm.py``, which has the measurements); None: off.
 # A/B them with ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.BF16_MAX_M=512``.
 BF16_MAX_M = 0
-DEQUANT_MM_FROM_M: int | None = 4096  # prefill chunks; measured in dequant_mm.py's docstring
+DEQUANT_MM_FROM_M: int | None = 1024
+DEQUANT_MM_BLOCKS: tuple[int, ...] = (32,)
 BLOCK_N = 64
 NUM_WARPS = 4
 
@@ -155,7 +158,8 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     exact_bf16 = _ue8m0(a_scale) and _ue8m0(b_scale)  # the bf16 routes' condition (dequant_mm.py)
     if exact_bf16 and GLUON_MAX_M < m <= BF16_MAX_M and k % BF16_BK == 0:
         return fp8_gemm_nt_triton_bf16(a, a_scale, b, b_scale, block, out_dtype)
-    if exact_bf16 and DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and n > 0:
+    dequant_mm_on = DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and block in DEQUANT_MM_BLOCKS
+    if exact_bf16 and dequant_mm_on and n > 0:
         return fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block, out_dtype)
     if block != 32 or m > GLUON_MAX_M or k % 128 or m == 0 or n == 0:
         return fp8_gemm_nt_triton(a, a_scale, b, b_scale, block, out_dtype)

@@ -10,8 +10,9 @@ Two registrations:
 * ``triton_fixed`` uses one tiling per (N, K) whatever M is, including a fixed split of K for narrow outputs
   (the splits are added in a fixed order by a second kernel): a row's bits depend on its own data only, so it
   is registered ``batch_invariant=True`` (the GPU tests check M = 1 against M = 64 bitwise);
-* ``triton`` is the same but drops the K split above 64 rows (saves the fp32 workspace traffic in prefill),
-  so its bits change with M: not declared batch-invariant.
+* ``triton`` is the same up to 64 rows; above, its K split counts the row tiles too (MULTI_TILE_PROGRAMS_PER_SM),
+  so it shrinks to none at prefill sizes (no fp32 workspace traffic there) and its bits change with M: not
+  declared batch-invariant.
 """
 
 from __future__ import annotations
@@ -74,18 +75,29 @@ def _fp8_gemm_nt_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Above 64 rows the K split is sized from every output tile (N tiles x M tiles) to about this many programs an
+# SM. Measured on an H100 (session 33, cold L2, us at 256 rows, no split -> this rule): wq_a 33.5 -> 20.4,
+# wkv 34.2 -> 11.4, wo_b 108.5 -> 86.9, w13 61.5 -> 54.6, w2 28.7 -> 27.5, V4 wo_b 34.5 -> 32.1; wq_b (1024
+# tiles) and prefill sizes stay unsplit. At 2 an SM (the decode rule) wo_b/w13/w2 stayed unsplit; at 4, V4
+# wo_b split 4 (39.4). 0: no split above 64 rows (the rule before session 33).
+MULTI_TILE_PROGRAMS_PER_SM = 3
+
+
 def _config(m: int | None, n: int, k: int, block: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages) from (N, K) only; ``m`` (None for the batch-invariant
-    variant) may only switch the K split off for prefill sizes.
+    """(BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages). ``m`` None (the batch-invariant variant) or at most 64
+    rows: from (N, K) only; above 64 rows the split also counts the row tiles.
 
     BLOCK_M = 64 (one wgmma warpgroup; measured no faster at 128 for prefill). The K split gives a one-row
     (decode) GEMM about two programs per SM: otherwise N / BLOCK_N programs (10 for wkv) stream the weights.
     """
     block_m = 64
     block_n = 128 if n >= 4096 else 64
-    split = k_split(-(-n // block_n), k // block, programs_per_sm=2, min_steps=4, max_split=8)
-    if m is not None and m > 64:
-        split = 1
+    n_tiles = -(-n // block_n)
+    if m is None or m <= block_m:
+        split = k_split(n_tiles, k // block, programs_per_sm=2, min_steps=4, max_split=8)
+    else:
+        tiles = n_tiles * -(-m // block_m)
+        split = k_split(tiles, k // block, programs_per_sm=MULTI_TILE_PROGRAMS_PER_SM, min_steps=4, max_split=8)
     return block_m, block_n, split, 4, 4 if block == 128 else 6
 
 
