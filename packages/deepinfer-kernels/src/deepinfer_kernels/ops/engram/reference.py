@@ -6,7 +6,7 @@ import torch
 
 from deepinfer_kernels.ops._elementwise import sigmoid
 from deepinfer_kernels.ops._reduce import row_mean, row_sum
-from deepinfer_kernels.ops.quant.formats import ue8m0_bytes_to_float
+from deepinfer_kernels.ops.quant.formats import is_ue8m0, ue8m0_bytes_to_float
 from deepinfer_kernels.registry import register_reference
 
 from .vocab import DEAD
@@ -78,6 +78,6 @@ def engram_gather_rows_ref(
     got = rows[flat].float()
     if scale is not None:
         s = scale[flat]
-        s = ue8m0_bytes_to_float(s) if s.dtype in (torch.float8_e8m0fnu, torch.uint8) else s.float()
+        s = ue8m0_bytes_to_float(s) if is_ue8m0(s) else s.float()
         got = got * s.repeat_interleave(rows.shape[1] // s.shape[1], dim=1)
     return got.to(device=ids.device, dtype=out_dtype).view(ids.shape[0], -1)

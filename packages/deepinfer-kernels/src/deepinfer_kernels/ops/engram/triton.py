@@ -23,6 +23,7 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, require_same_device, triton_cuda_available
+from deepinfer_kernels.ops.quant.formats import is_ue8m0
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
 from deepinfer_kernels.registry import register_backend
 
@@ -48,9 +49,7 @@ def engram_gather_rows_triton(
     rows: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     host = rows.device.type == "cpu" and ids.device.type == "cuda"
-    odd_scale = scale is not None and (
-        scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or not scale.is_contiguous()
-    )
+    odd_scale = scale is not None and (not is_ue8m0(scale) or not scale.is_contiguous())
     if (host and not rows.is_pinned()) or rows.stride() != (rows.shape[1], 1) or odd_scale:
         return engram_gather_rows_ref(rows, scale, ids, out_dtype)
     if not host:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_kernels.ops.quant.formats import UE8M0_DTYPES
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the reference)
 
-_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu, torch.uint8)
+_SCALE_DTYPES = (torch.float32, *UE8M0_DTYPES)
 
 
 def _cdiv(a: int, b: int) -> int:

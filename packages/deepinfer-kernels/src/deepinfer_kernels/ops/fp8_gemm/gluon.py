@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops.quant.formats import is_ue8m0
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
 from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
 from deepinfer_kernels.registry import register_backend
@@ -142,11 +143,6 @@ def _split(n: int, k: int) -> int:
     return k_split(-(-n // BLOCK_N), k // 128, programs_per_sm=16, min_steps=2, max_split=16)
 
 
-def _ue8m0(scale: torch.Tensor) -> bool:
-    """UE8M0 scales (float8_e8m0fnu or raw bytes): powers of two by their format, so e4m3 x scale fits bf16."""
-    return scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
-
-
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
     """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M; with UE8M0 scales on both sides the bf16 routes
     (BF16_MAX_M, DEQUANT_MM_FROM_M); other sizes, block 128 and K % 128 != 0: the Triton kernel."""
@@ -155,7 +151,7 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     lead = a.shape[:-1]
     a2 = a.reshape(-1, k)
     m = a2.shape[0]
-    exact_bf16 = _ue8m0(a_scale) and _ue8m0(b_scale)  # the bf16 routes' condition (dequant_mm.py)
+    exact_bf16 = is_ue8m0(a_scale) and is_ue8m0(b_scale)  # the bf16 routes' condition (dequant_mm.py)
     if exact_bf16 and GLUON_MAX_M < m <= BF16_MAX_M and k % BF16_BK == 0:
         return fp8_gemm_nt_triton_bf16(a, a_scale, b, b_scale, block, out_dtype)
     dequant_mm_on = DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and block in DEQUANT_MM_BLOCKS

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows
+from deepinfer_kernels.ops.quant.formats import UE8M0_DTYPES
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
@@ -37,7 +38,7 @@ def _check_weights(op: str, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
         raise ValueError(
             f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (K = 2 * w.shape[2], K % 32 == 0)"
         )
-    if w_scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(w_scale.shape) != (e, n, kh // 16):
+    if w_scale.dtype not in UE8M0_DTYPES or tuple(w_scale.shape) != (e, n, kh // 16):
         raise ValueError(
             f"{op}: w_scale must be [{e}, {n}, {kh // 16}] float8_e8m0fnu/uint8, got {tuple(w_scale.shape)}"
         )

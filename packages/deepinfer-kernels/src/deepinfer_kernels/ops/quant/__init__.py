@@ -23,6 +23,7 @@ import torch
 from deepinfer_kernels.registry import dispatch
 
 from . import reference as _reference  # noqa: F401  (registers the references)
+from .formats import UE8M0_DTYPES
 
 try:  # the Triton backends (act_quant_fp8, the fake quantisers, the dequantisers) register themselves
     from . import dequant_triton as _dequant_triton  # noqa: F401
@@ -202,7 +203,7 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch
             f"{op}: packed.shape[1] = {packed.shape[1]} must be a multiple of 16 (K = 2 * packed.shape[1] "
             "must be a multiple of 32)"
         )
-    _check_dtype(op, "scale", scale, (torch.float8_e8m0fnu, torch.uint8))
+    _check_dtype(op, "scale", scale, UE8M0_DTYPES)
     _check_scale_shape(op, scale, (packed.shape[0], packed.shape[1] // 16))
     _check_out_dtype(op, out_dtype)
     _check_same_device(op, packed, scale, "packed and scale")

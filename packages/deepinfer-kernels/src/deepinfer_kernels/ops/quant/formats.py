@@ -29,6 +29,15 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)
 
+# UE8M0 scale tensors come as float8_e8m0fnu or as their raw bytes (uint8): powers of two by their format.
+UE8M0_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def is_ue8m0(t: torch.Tensor) -> bool:
+    """``t`` holds UE8M0 scales (float8_e8m0fnu or uint8 bytes), not float scales."""
+    return t.dtype in UE8M0_DTYPES
+
+
 _E8M0_MIN_EXP = -127  # byte 0
 _E8M0_MAX_EXP = 127  # byte 254 (255 is NaN)
 

@@ -14,6 +14,7 @@ from .formats import (
     e4m3_round,
     exp2_int,
     exponent_to_ue8m0,
+    is_ue8m0,
     pack_e2m1,
     pow2_scale_exponent,
     ue8m0_bytes_to_float,
@@ -31,7 +32,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     """fp32 view of a float8_e8m0fnu / uint8 (E8M0 bytes) / float32 scale tensor."""
-    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+    if is_ue8m0(scale):
         return ue8m0_bytes_to_float(scale)
     return scale.float()
 
