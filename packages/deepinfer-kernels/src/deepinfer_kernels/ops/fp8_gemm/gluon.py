@@ -129,7 +129,10 @@ GLUON_MAX_M = 16
 # * GLUON_MAX_M < rows <= BF16_MAX_M: the in-kernel dequant Triton kernel (``triton_bf16.py``); 0: off;
 # * rows >= DEQUANT_MM_FROM_M and the scale block in DEQUANT_MM_BLOCKS: dequantise both operands, one cuBLAS bf16
 #   GEMM (``dequant_mm.py``, which has the measurements); None: off.
-# A/B them with ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.BF16_MAX_M=512``.
+# A/B them with ``gpu_model_slice.py --set deepinfer_kernels.ops.fp8_gemm.gluon.BF16_MAX_M=512``. The first is off:
+# on an H100 (session 33, cold L2) at 256 rows, where both were measured, it beat the K-split Triton kernel only
+# on wq_b (70 vs 83 us); on the V4.1 slice, against the unsplit kernel, it cost +0.27 ms at batch 64 for -1.34 ms
+# at 256 (the split alone: -1.22 ms at 256, nothing at 64).
 BF16_MAX_M = 0
 DEQUANT_MM_FROM_M: int | None = 1024
 DEQUANT_MM_BLOCKS: tuple[int, ...] = (32,)
