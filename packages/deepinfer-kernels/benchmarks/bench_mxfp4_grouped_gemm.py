@@ -4,10 +4,11 @@
 Run from the repository root:  python packages/deepinfer-kernels/benchmarks/bench_mxfp4_grouped_gemm.py [--quick]
 
 Ceilings in the same run (copy GB/s, bf16 matmul TFLOP/s), then for T tokens in decode (1, 8, 64, 256) and
-prefill (4096, 8192) sizes: ``moe_permute``, the contiguous layout (all T), the gathered layout (T <= 256; the
-Triton kernel and the Gluon one that dispatch picks on sm_90)
-and the torch peers: a loop of bf16 matmuls over the hit experts with weights pre-dequantised to bf16 (what a
-bf16-weight engine does) and, for T <= 64, dequantise-every-call + matmul. Bytes = weights of the experts hit
+prefill (4096, 8192) sizes: ``moe_permute``, the contiguous layout (all T; the Triton kernel, and the sm_90 Gluon
+dispatch: 8-row ``mma.sync`` and 32-row wgmma tiles, the TMA kernel at prefill sizes), the gathered layout (T <= 256;
+the Triton kernel and the Gluon one that dispatch picks on sm_90) and the torch peers: ``torch._grouped_mm`` and a
+loop of bf16 matmuls over the hit experts, both with weights pre-dequantised to bf16 (what a bf16-weight engine
+does), and, for T <= 64, dequantise-every-call + matmul. Bytes = weights of the experts hit
 (0.5 + 1/32 byte per weight) + activations in and out; FLOPs = 2 R N K with R = T * 6 rows.
 Appends JSON lines to benchmarks/results/mxfp4_grouped_gemm.jsonl; prints a short table last.
 """
@@ -63,22 +64,28 @@ def bench_tokens(rec, ceil, t, w13, s13, w2, s2, w13b, w2b) -> list[dict]:
     hg = backend.mxfp4_grouped_gemm_gather_triton(x, w13, s13, ids, row_index=idx, fuse_swiglu=True, swiglu_limit=LIMIT)
     grouped, gather = backend.mxfp4_grouped_gemm_triton, backend.mxfp4_grouped_gemm_gather_triton
     gather_gl = gluon_backend.mxfp4_grouped_gemm_gather_gluon
+    grouped_gl = gluon_backend.mxfp4_grouped_gemm_gluon  # the sm_90 dispatch (prefill sizes: the TMA kernel)
+    ends = offsets[1:].to(torch.int32)  # torch._grouped_mm's group ends (empty groups allowed)
     swiglu = dict(fuse_swiglu=True, swiglu_limit=LIMIT)
     cases = {
         "gate_up": (2 * INTER, D, INTER, {
             "contiguous": lambda: grouped(xs, w13, s13, offsets, **swiglu, row_scale=rs),
+            "contiguous_gluon": lambda: grouped_gl(xs, w13, s13, offsets, **swiglu, row_scale=rs),
             "gather": lambda: gather(x, w13, s13, ids, row_index=idx, **swiglu, row_scale=rw.flatten()),
             "gather_gluon": lambda: gather_gl(x, w13, s13, ids, row_index=idx, **swiglu, row_scale=rw.flatten()),
             "torch_bf16_weights": lambda: peer_loop(xs, offs, hit, rows, 2 * INTER, lambda e: w13b[e]),
+            "torch_grouped_mm_bf16": lambda: torch._grouped_mm(xs, w13b.transpose(-2, -1), offs=ends),
             "torch_dequant_mm": lambda: peer_loop(
                 xs, offs, hit, rows, 2 * INTER, lambda e: mxfp4_dequantize_ref(w13[e], s13[e], torch.bfloat16)
             ),
         }),
         "down": (D, INTER, D, {
             "contiguous": lambda: grouped(h, w2, s2, offsets),
+            "contiguous_gluon": lambda: grouped_gl(h, w2, s2, offsets),
             "gather": lambda: gather(hg, w2, s2, ids),
             "gather_gluon": lambda: gather_gl(hg, w2, s2, ids),
             "torch_bf16_weights": lambda: peer_loop(h, offs, hit, rows, D, lambda e: w2b[e]),
+            "torch_grouped_mm_bf16": lambda: torch._grouped_mm(h, w2b.transpose(-2, -1), offs=ends),
             "torch_dequant_mm": lambda: peer_loop(
                 h, offs, hit, rows, D, lambda e: mxfp4_dequantize_ref(w2[e], s2[e], torch.bfloat16)
             ),
@@ -91,6 +98,8 @@ def bench_tokens(rec, ceil, t, w13, s13, w2, s2, w13b, w2b) -> list[dict]:
             cands.pop("gather_gluon")
         if t > 64:
             cands.pop("torch_dequant_mm")  # hundreds of dequantisations per call
+        if not hasattr(torch, "_grouped_mm"):
+            cands.pop("torch_grouped_mm_bf16")
         flops = 2 * rows * n * k
         nbytes = len(hit) * n * k * (0.5 + 1 / 32) + rows * k * 2 + rows * n_out * 2
         row = {"proj": proj, "T": t, "experts_hit": len(hit)}
@@ -101,7 +110,7 @@ def bench_tokens(rec, ceil, t, w13, s13, w2, s2, w13b, w2b) -> list[dict]:
             rec.add(kind="op", proj=proj, T=t, rows=rows, experts_hit=len(hit), impl=cname, us=ms * 1e3,
                     TFLOPs=tf, GBps=gbs, pct_bf16_peak=100 * tf / ceil["bf16_TFLOPs"],
                     pct_copy=100 * gbs / ceil["copy_GBps"])  # fmt: skip
-        best = min(row.get(c + "_us", 1e30) for c in ("contiguous", "gather", "gather_gluon"))
+        best = min(row.get(c + "_us", 1e30) for c in ("contiguous", "contiguous_gluon", "gather", "gather_gluon"))
         row.update(TFLOPs=flops / best / 1e6, GBps=nbytes / best / 1e3)
         row["%bf16"] = 100 * row["TFLOPs"] / ceil["bf16_TFLOPs"]
         row["%copy"] = 100 * row["GBps"] / ceil["copy_GBps"]
@@ -186,8 +195,8 @@ def main() -> None:
     for t in t_sizes:
         table += bench_tokens(rec, ceil, t, w13, s13, w2, s2, w13b, w2b)
     print("\n== MXFP4 expert GEMMs, V4.1-Flash (us; TFLOP/s, GB/s, % of ceilings for the fastest kernel)")
-    cols = ["proj", "T", "experts_hit", "contiguous_us", "gather_us", "gather_gluon_us", "torch_bf16_weights_us",
-            "torch_dequant_mm_us",
+    cols = ["proj", "T", "experts_hit", "contiguous_us", "contiguous_gluon_us", "gather_us", "gather_gluon_us",
+            "torch_grouped_mm_bf16_us", "torch_bf16_weights_us", "torch_dequant_mm_us",
             "TFLOPs", "%bf16", "GBps", "%copy"]  # fmt: skip
     print("  ".join(f"{c:>12}" for c in cols))
     for r in table:

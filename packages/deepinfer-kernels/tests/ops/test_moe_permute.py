@@ -129,6 +129,7 @@ def test_tile_lists_split_by_row_count(limit):
         assert rows == list(enumerate(owner)), f"T={t} E={e} skew={skew} limit={limit}"
         assert all(counts[x] <= limit for _, x in _covered(small, 8))
         assert all(counts[x] > limit for _, x in _covered(big, 64))
+        assert small[3] <= min(e, t * 6) * -(-limit // 8), "a bounded list has at most ceil(max / BLOCK_M) an expert"
 
 
 SORT_CASES = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]

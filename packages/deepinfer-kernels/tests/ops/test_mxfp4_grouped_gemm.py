@@ -150,7 +150,30 @@ def _interp_grouped(fuse: bool, k: int) -> None:
     print("ok")
 
 
-INTERPRETED = {"swiglu-K128": ("_interp_grouped", (True, 128)), "plain-K96": ("_interp_grouped", (False, 96))}
+def _interp_relabel() -> None:
+    """The TMA kernel's x relabelling (a Triton gather) against its torch definition, and the definition against
+    the in-register one of the wgmma kernel: a chunk of 128 columns is (even columns, odd columns), each half's
+    packed index 32c + 8q + 2a + b at 32c + 8a + 2q + b."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon_tma import relabel_x, relabel_x_ref
+
+    for r, k in ((1, 128), (37, 384), (70, 2304)):
+        x = torch.randn(r, k, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+        assert_bitwise(relabel_x(x, 64), relabel_x_ref(x, 64), f"relabel {r}x{k}")
+    x = torch.arange(256.0).view(1, 256)
+    y = relabel_x_ref(x, 64)
+    for chunk in range(2):
+        for t in range(2):  # t: even (low nibble) / odd (high nibble) columns
+            for j in range(64):  # packed byte index of the chunk
+                c, q, a, b = j // 32, (j // 8) % 4, (j // 2) % 4, j % 2
+                assert y[0, 128 * chunk + 64 * t + 32 * c + 8 * a + 2 * q + b] == 128 * chunk + 2 * j + t
+    print("ok")
+
+
+INTERPRETED = {
+    "swiglu-K128": ("_interp_grouped", (True, 128)),
+    "plain-K96": ("_interp_grouped", (False, 96)),
+    "relabel": ("_interp_relabel", ()),
+}
 
 
 # every case in one TRITON_INTERPRET=1 child process
@@ -225,6 +248,45 @@ def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
     sass = k.asm["sass"]
     waits = sass.count("WARPGROUP.DEPBAR")
     assert sass.count("HGMMA") == 2 * cfg["BKH"] // 16 and waits <= 2, f"wgmma serialised ({waits} waits)"
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gluon_tma_kernel_compiles_for_sm90(fuse):
+    """The TMA kernel lowers for sm_90: x tiles by TMA (no x loads from global in the main loop), weights in 64-bit
+    loads, the register A operand relabelled rather than moved through shared memory (the only shared-memory
+    loads are the epilogue's exchange), no spills, and ptxas keeps a step's wgmma in flight while the next is
+    prepared: one wait per step, not one per wgmma (its serialisation)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_tma as backend
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    cfg = backend.TMA_CFG
+    desc = backend.x_descriptor(torch.zeros(cfg["TN"], 4 * cfg["BKH"], dtype=torch.bfloat16), cfg)
+    sig = {
+        "x_desc": mangle_type(desc), "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16" if fuse else "*fp32",
+        "rs_ptr": "*fp32", "tile_e_ptr": "*i32", "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32",
+        "limit": "fp32",
+    }  # fmt: skip
+    meta = dict(backend.tma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse)
+    sig.update(dict.fromkeys(meta, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(1, 10)}
+    src = GluonASTSource(fn=backend._expert_rows_tma_kernel, signature=sig, constexprs=meta, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    ptx, sass = k.asm["ptx"], k.asm["sass"]
+    assert "cp.async.bulk.tensor.2d" in ptx, "x tiles by TMA"
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert ptx.count("ld.global.v2.b32") >= 4, "weight bytes in 64-bit loads"
+    assert "ld.global.v4" not in ptx, "x read by threads"
+    assert ".local" not in ptx, "register spills"
+    steps = 2  # the loop is unrolled by two
+    assert sass.count("HGMMA") == steps * 2 * cfg["BKH"] // 16
+    assert sass.count("WARPGROUP.DEPBAR") == steps + 1, "wgmma serialised"
+    loop = sass[: sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
+    assert " LDS" not in loop, "the A operand through shared memory"
 
 
 # ---------------------------------------------------------------- (c) GPU, V4.1-Flash shapes
@@ -358,17 +420,21 @@ def test_gpu_sorted_gluon_real_shapes(v41_experts, t, kernel, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("t", [8, 64, 300, 700])
-def test_gpu_sorted_gluon_split(v41_experts, t, monkeypatch):
+def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
     """The split dispatch uses on sm_90: skewed routing sends experts of every size class to the kernels (at 8
     and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300 and 700, over WGMMA_FROM_ROWS, mma.sync <=
-    MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall: the threshold
-    lowered to two rows an expert); a K the Gluon kernels do not serve goes to Triton; with no rows for the Gluon
-    kernels (and 64-row tiles) every expert is in the Triton one, bitwise."""
+    MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall, or with ``tma``
+    the TMA kernel: the thresholds lowered to two rows an expert); a K the Gluon kernels do not serve goes to
+    Triton; with no rows for the Gluon kernels (and 64-row tiles) every expert is in the Triton one, bitwise."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
 
+    if tma and (t < 300 or torch.cuda.get_device_capability()[0] != 9):
+        pytest.skip("the TMA kernel serves sm_90 calls over WGMMA_FROM_ROWS rows")
     monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", 2)  # tall from 2 E rows: 300 and 700 tokens
+    monkeypatch.setattr(backend, "TMA_ROWS_PER_EXPERT", 2 if tma else None)
     w13, s13, w2, s2 = v41_experts
     ref = reference("mxfp4_grouped_gemm")
     x, experts, weights = _tokens(t, seed=400 + t)
@@ -386,8 +452,41 @@ def test_gpu_sorted_gluon_split(v41_experts, t, monkeypatch):
     monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 30)
     monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel's 64-row tiles
     monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", None)
+    monkeypatch.setattr(backend, "TMA_ROWS_PER_EXPERT", None)
     h_tr = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
     assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "no Gluon rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 300, 2048])
+def test_gpu_sorted_tma(v41_experts, t):
+    """The TMA kernel (sm_90) alone on every expert: uniform routing (2048 tokens: ~32 rows an expert, some over
+    one 128-row tile) and skewed (an expert of hundreds of rows: several tiles; others of one or none), gate/up
+    with the fused epilogue in bf16 and fp32, down in fp32; N not a multiple of the tile; against the reference."""
+    from deepinfer_kernels.ops.grouped_gemm.triton import expert_out
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_tma as backend
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma and TMA: sm_90 only")
+    w13, s13, w2, s2 = v41_experts
+    ref = reference("mxfp4_grouped_gemm")
+    x, experts, weights = _tokens(t, seed=500 + t)
+    for skew in (False, True):
+        ex = (experts.double() ** 2 / EXPERTS).long() if skew else experts
+        xs, order, offsets = moe_permute(x, ex, EXPERTS)
+        kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order])
+        h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+        for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            h = backend.tma_rows_into(expert_out(xs.shape[0], w13, True, dt, "cuda"), xs, w13, s13, offsets,
+                                      min_rows=0, **kw)  # fmt: skip
+            assert_rel_close(h, h_ref, tol, f"tma gate/up {dt}, {t} tokens, skew {skew}")
+        y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
+        y = backend.tma_rows_into(expert_out(xs.shape[0], w2, False, torch.float32, "cuda"), h, w2, s2, offsets,
+                                  min_rows=0)  # fmt: skip
+        assert_rel_close(y, y_ref, 1e-5, f"tma down, {t} tokens, skew {skew}")
+        y = backend.tma_rows_into(torch.zeros(xs.shape[0], 1000, device="cuda"), h, w2[:, :1000], s2[:, :1000],
+                                  offsets, min_rows=0)  # fmt: skip
+        assert_rel_close(y, y_ref[:, :1000], 1e-5, f"tma down, N = 1000, {t} tokens, skew {skew}")
 
 
 @pytest.mark.gpu

@@ -18,10 +18,16 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 
 
-def _slots(rows: int, block_m: int, n_exp: int, min_rows: int) -> int:
+def _slots(rows: int, block_m: int, n_exp: int, min_rows: int, max_rows: int | None = None) -> int:
     """An upper bound on the tiles, from shapes only: ceil(R / BLOCK_M) plus one per expert that can have tiles
-    (at most E, at most R // max(min_rows, 1): each has that many rows)."""
-    return -(-rows // block_m) + min(n_exp, rows // max(min_rows, 1))
+    (at most E, at most R // max(min_rows, 1): each has that many rows), and with max_rows at most
+    ceil(max_rows / BLOCK_M) tiles per such expert (a prefill's 8-row-tile launch has E slots, not R / 8: the
+    programs of empty slots cost launch time)."""
+    experts = min(n_exp, rows // max(min_rows, 1))
+    bound = -(-rows // block_m) + experts
+    if max_rows is not None:
+        bound = min(bound, experts * -(-max_rows // block_m))
+    return bound
 
 
 def expert_tile_schedule_ref(
@@ -37,7 +43,7 @@ def expert_tile_schedule_ref(
     keep = (cnt >= min_rows) & (cnt <= (max_rows if max_rows is not None else rows))
     tiles = torch.where(keep, torch.div(cnt + block_m - 1, block_m, rounding_mode="floor"), 0)
     cum = torch.cumsum(tiles, 0)
-    slots = _slots(rows, block_m, n_exp, min_rows)
+    slots = _slots(rows, block_m, n_exp, min_rows, max_rows)
     i = torch.arange(slots, device=off.device)
     e = torch.searchsorted(cum, i, right=True)  # first expert whose tiles end after slot i
     valid = e < n_exp
@@ -92,7 +98,7 @@ def expert_tile_schedule(
 ):
     """``expert_tile_schedule_ref`` in one launch (same values, bitwise)."""
     n_exp = expert_offsets.shape[0] - 1
-    slots = _slots(rows, block_m, n_exp, min_rows)
+    slots = _slots(rows, block_m, n_exp, min_rows, max_rows)
     dev = expert_offsets.device
     tile_e, tile_r0, tile_r1 = (torch.empty(slots, dtype=torch.int32, device=dev) for _ in range(3))
     cum = torch.empty(n_exp, dtype=torch.int64, device=dev)

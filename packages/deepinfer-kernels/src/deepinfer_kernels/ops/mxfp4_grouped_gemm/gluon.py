@@ -21,7 +21,8 @@ multiply honours (the block becomes zero / inf instead of 2^-127 / NaN), as in t
 in the checkpoints or from ``mxfp4_quantize``. The tiling is fixed and an output column depends only on its own x
 row, so rows are bitwise independent of the others. The gathered backend is registered batch-invariant; the
 sorted one is not (an expert's row count chooses between this kernel, the wgmma one of ``gluon_wgmma.py`` for
-experts of 9-32 rows, and the Triton one, whose sums differ in order).
+experts of 9-32 rows, and the Triton one or, in prefill calls, the TMA-fed one of ``gluon_tma.py``, whose sums
+differ in order).
 
 Shapes served: K a multiple of 256 (V4 / V4.1-Flash: 4096, 2048, 5120, 2304); others go to the Triton kernels.
 Measured on an H200 (session 29, ``bench_mxfp4_gather_cold.py``: CUDA graphs after a 256 MB copy, uniform random
@@ -47,6 +48,7 @@ from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 from deepinfer_kernels.registry import register_backend
 
 from .gluon_common import expert_weight_rows, load_unpacked
+from .gluon_tma import tma_rows_into, tma_supported
 from .gluon_wgmma import wgmma_rows_into
 from .triton import grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
 
@@ -180,6 +182,12 @@ SMALL_MMA_MAX_ROWS = 16
 # and stays at 64; 8 warps were slower in both; 128-row tiles on every call cost a decode step at batch 64 ~0.2 ms.
 TALL_ROWS_PER_EXPERT: int | None = 64
 TALL_BLOCK_M = 128
+# Calls of at least TMA_ROWS_PER_EXPERT rows per expert on average (rows >= this x E, sm_90): the experts above
+# WGMMA_MAX_ROWS go to the TMA-fed pipelined wgmma kernel (``gluon_tma.py``) instead of the Triton tiles; None: off.
+# H100, session 34, this dispatch, V4.1 gate/up + down ms over 384 experts (uniform routing; off -> 64): 8192
+# tokens 17.49 -> 14.29, 4096 12.03 -> 10.54; 2048 (32 an expert) 8.45 either way, and 9.42 with the kernel
+# from 32 (its 128-row tiles half empty); the V4.1 slice's 8K prefill 37.7% -> 43.5% of the tensor-core floor.
+TMA_ROWS_PER_EXPERT: int | None = 64
 
 
 def _cols(cfg: dict, fuse_swiglu: bool) -> int:
@@ -240,7 +248,8 @@ def mxfp4_grouped_gemm_gluon(
     x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
 ):
     """Sorted (contiguous) layout: the experts split by row count between this kernel's tiles of TILE_ROWS rows,
-    the wgmma kernel's (sm_90, calls of WGMMA_FROM_ROWS rows or more) and the Triton kernel's
+    the wgmma kernel's (sm_90, calls of WGMMA_FROM_ROWS rows or more) and, for the larger experts, the TMA kernel's
+    (sm_90, calls of TMA_ROWS_PER_EXPERT rows an expert or more, K a multiple of 256) or the Triton kernel's
     (``grouped_rows_into``; taller tiles for gate/up calls of TALL_ROWS_PER_EXPERT rows an expert or more), as the
     constants above say; K not a multiple of 2 * BKH: all in Triton."""
     cfg = SORTED_CFG
@@ -256,7 +265,8 @@ def mxfp4_grouped_gemm_gluon(
         return out
     xs = x.to(torch.bfloat16).contiguous()  # the MMA operand is bf16 (fp16 / fp32 inputs are rounded)
     epi = dict(fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale)
-    wgmma = hopper(x.device) and rows >= WGMMA_FROM_ROWS and WGMMA_MAX_ROWS > MMA_MAX_ROWS
+    large = hopper(x.device) and rows >= WGMMA_FROM_ROWS
+    wgmma = large and WGMMA_MAX_ROWS > MMA_MAX_ROWS
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
     if mma_max > 0:
         tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=mma_max)
@@ -267,11 +277,14 @@ def mxfp4_grouped_gemm_gluon(
     if wgmma:
         wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS, **epi)
         triton_from = WGMMA_MAX_ROWS + 1
-    if rows >= triton_from:  # else no expert has that many rows
-        tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * w.shape[0]
-        block_m = TALL_BLOCK_M if tall else None
-        grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, block_m=block_m, **epi)
-    return out
+    if rows < triton_from:  # no expert has that many rows
+        return out
+    n_exp = w.shape[0]
+    if large and TMA_ROWS_PER_EXPERT is not None and rows >= TMA_ROWS_PER_EXPERT * n_exp and tma_supported(x.shape[1]):
+        return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, **epi)
+    tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * n_exp
+    block_m = TALL_BLOCK_M if tall else None
+    return grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, block_m=block_m, **epi)
 
 
 register_backend(

@@ -5,10 +5,15 @@
   magnitude bits to bits 6..8 make the bf16 2^-126 * value (0.5 is a bf16 subnormal), then two exact bf16
   multiplies, by 2^126 and by the block's scale 2^(s-127). Scale bytes 0 and 255 are outside what the multiply
   honours (the block becomes zero / inf instead of 2^-127 / NaN).
-* The weight rows of a program, with the fused gate/up interleave (``expert_weight_rows``)."""
+* The same from int32 words (``load_words``, ``unpack_words``): a kernel that carries loaded weights across loop
+  steps (prefetch) holds a uint8 tensor one byte a register and repacks every byte; a word is one register.
+* The weight rows of a program, with the fused gate/up interleave (``expert_weight_rows``), and the epilogue of
+  the wgmma kernels' swapped accumulators (``store_swapped``)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 
 # $4: 4 packed bytes; $5, $6: 4 bf16 scales (two per register) -> $0 $1: the 4 low nibbles, $2 $3: the 4 high
 # nibbles, as bf16 pairs. t = [0, b0, 0, b1] puts a low nibble's magnitude 2 bits above bits 6..8 and its sign 4
@@ -33,6 +38,46 @@ def unpack_scaled(packed, scale):
     return gl.inline_asm_elementwise(
         _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
     )
+
+
+@gluon.jit
+def _bf16_halves(pair):
+    """int32 bf16 pairs -> (low halves, high halves) as bf16: register moves only."""
+    return gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _bytes_order(p01, p23):
+    """Two [rows, W] int32 tensors of bf16 pairs (values of bytes 0, 1 and 2, 3 of each word) -> [rows, 4 W] bf16
+    in byte order (4 w + b)."""
+    v0, v1 = _bf16_halves(p01)
+    v2, v3 = _bf16_halves(p23)
+    t = gl.join(gl.join(v0, v2), gl.join(v1, v3))  # [rows, W, 2, 2]: (w, j, i) holds byte 2 j + i
+    return gl.reshape(t, [t.shape[0], 4 * t.shape[1]])
+
+
+@gluon.jit
+def load_words(w_rows, s_rows, k0, kw):
+    """(packed words, scale bytes) of packed bytes k0 + 4 kw .. + 3 (k0 a multiple of 16) of the weight rows at
+    ``w_rows`` (byte row pointers, 4-byte aligned; ``s_rows`` their scale rows), [rows, BKH / 4] int32 words and
+    their scale bytes, in kw's parent layout: a word is one register (a uint8 tensor holds a byte a register)."""
+    wp = (w_rows + k0).to(gl.pointer_type(gl.int32), bitcast=True)
+    words = gl.load(wp[:, None] + kw[None, :])
+    s = gl.load(s_rows[:, None] + (k0 // 16 + kw // 4)[None, :])  # equal addresses in a thread are merged
+    return words, s
+
+
+@gluon.jit
+def unpack_words(words, s):
+    """``load_words``' words as (low nibbles, high nibbles) in bf16, [rows, BKH] each, byte order."""
+    b = (s.to(gl.int32) & 0xFF) << 7  # bf16 bits of 2^(s-127)
+    pair = b | (b << 16)  # the word's four bytes share a block: one scale pair for both halves
+    l01, l23, h01, h23 = gl.inline_asm_elementwise(
+        _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [words, pair, pair], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+    )
+    return _bytes_order(l01, l23), _bytes_order(h01, h23)
 
 
 @gluon.jit
@@ -63,3 +108,29 @@ def expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N: gl.constexp
         rn = gl.minimum(n0 + j, N_OUT - 1).to(gl.int64)
     n_rows = 2 * N_OUT if FUSE else N_OUT
     return n0, w_ptr + e * n_rows * KH + rn * KH, s_ptr + e * n_rows * KS + rn * KS
+
+
+@gluon.jit
+def store_swapped(acc, EPI: gl.constexpr, out_ptr, rs_ptr, n0, r0, r1, N_OUT, limit,
+                  FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr):  # fmt: skip
+    """Epilogue of a swapped [BLOCK_N, TN] accumulator (weight rows x the tile's x rows r0 + c, c < r1 - r0), in
+    layout EPI: with FUSE, gate and up rows interleaved by 8 within each 16 (``expert_weight_rows``) are split into
+    the two halves of the clamped SwiGLU; output columns n0 .. of out [R, N_OUT]."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    TN: gl.constexpr = acc.shape[1]
+    if FUSE:
+        g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, TN]), [0, 2, 3, 1]).split()
+        acc_g = gl.convert_layout(gl.reshape(g, [BLOCK_N // 2, TN]), EPI)
+        acc_u = gl.convert_layout(gl.reshape(u, [BLOCK_N // 2, TN]), EPI)
+    else:
+        acc_g = gl.convert_layout(acc, EPI)
+        acc_u = acc_g
+    out_rows = (r0 + gl.arange(0, TN, layout=gl.SliceLayout(0, EPI))).to(gl.int64)
+    row_ok = out_rows < r1
+    rs = 1.0
+    if HAS_RS:
+        rs = gl.load(rs_ptr + out_rows, mask=row_ok, other=0.0).to(gl.float32)[None, :]
+    y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)  # a triton.jit helper: Gluon calls it
+    ro = n0 + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, EPI))
+    gl.store(out_ptr + out_rows[None, :] * N_OUT + ro[:, None], y.to(out_ptr.dtype.element_ty),
+             mask=(ro < N_OUT)[:, None] & row_ok[None, :])  # fmt: skip

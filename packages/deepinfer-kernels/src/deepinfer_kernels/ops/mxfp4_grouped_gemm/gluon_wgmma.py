@@ -40,10 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
-from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 
-from .gluon_common import expert_weight_rows, load_unpacked
+from .gluon_common import expert_weight_rows, load_unpacked, store_swapped
 
 
 @gluon.jit
@@ -102,22 +101,7 @@ def _expert_rows_wgmma_kernel(
             acc = warpgroup_mma(gl.convert_layout(_relabel_k(hi), LA), xo_s.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         EPI: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (TN // 4), TN // 4], [NUM_WARPS, 1], [1, 0])
-        if FUSE:
-            g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, TN]), [0, 2, 3, 1]).split()
-            acc_g = gl.convert_layout(gl.reshape(g, [BLOCK_N // 2, TN]), EPI)
-            acc_u = gl.convert_layout(gl.reshape(u, [BLOCK_N // 2, TN]), EPI)
-        else:
-            acc_g = gl.convert_layout(acc, EPI)
-            acc_u = acc_g
-        out_rows = r0 + gl.arange(0, TN, layout=gl.SliceLayout(0, EPI))
-        row_ok = out_rows < r1
-        rs = 1.0
-        if HAS_RS:
-            rs = gl.load(rs_ptr + out_rows, mask=row_ok, other=0.0).to(gl.float32)[None, :]
-        y = expert_epilogue(acc_g, acc_u, rs, FUSE, HAS_LIMIT, limit, HAS_RS)
-        ro = n0 + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, EPI))
-        gl.store(out_ptr + out_rows[None, :] * N_OUT + ro[:, None], y.to(out_ptr.dtype.element_ty),
-                 mask=(ro < N_OUT)[:, None] & row_ok[None, :])  # fmt: skip
+        store_swapped(acc, EPI, out_ptr, rs_ptr, n0, r0, r1, N_OUT, limit, FUSE, HAS_LIMIT, HAS_RS)
 
 
 # Fixed tiling (session 30 sweep on the H200, see the module docstring): TN rows a tile, 64 weight rows a program

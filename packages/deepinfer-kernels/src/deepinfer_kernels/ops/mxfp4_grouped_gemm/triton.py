@@ -25,8 +25,9 @@ batch-invariant (the GPU tests check a token alone against the same token among 
 
 On sm_90 dispatch prefers the Gluon kernels (``gluon.py``, ``gluon_wgmma.py``; K % 256 == 0): the gathered
 layout, and in the sorted one the experts with at most ``gluon.WGMMA_MAX_ROWS`` rows (``SMALL_MMA_MAX_ROWS`` in
-calls under ``WGMMA_FROM_ROWS`` rows); these kernels take the experts with more rows (``grouped_rows_into``:
-prefill) and the other shapes.
+calls under ``WGMMA_FROM_ROWS`` rows), and the larger experts of calls with ``gluon.TMA_ROWS_PER_EXPERT`` rows an
+expert or more (``gluon_tma.py``: prefill); these kernels take the other experts with more rows
+(``grouped_rows_into``) and the other shapes.
 
 Measured on an H200 (session 27, ``bench_mxfp4_grouped_gemm.py --quick``, V4.1-Flash shapes, cold weights; us, %
 of copy): decode gather at 1 token gate/up + down 80.7 + 41.7 (22%; the first version, fp32 products on the CUDA
@@ -207,12 +208,12 @@ def mxfp4_grouped_gemm_triton(
 
 
 def grouped_rows_into(
-    out, x, w, w_scale, expert_offsets, *, min_rows=0, block_m=None, fuse_swiglu=False, swiglu_limit=None,
-    row_scale=None,
+    out, x, w, w_scale, expert_offsets, *, min_rows=0, max_rows=None, block_m=None, fuse_swiglu=False,
+    swiglu_limit=None, row_scale=None,
 ):  # fmt: skip
-    """The contiguous layout's rows of the experts that have at least ``min_rows`` rows, written into ``out`` ([R, N]
-    or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of ``block_m`` rows
-    (None: GROUPED_CFG's)."""
+    """The contiguous layout's rows of the experts with min_rows <= rows <= max_rows (None: no bound), written into
+    ``out`` ([R, N] or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of
+    ``block_m`` rows (None: GROUPED_CFG's)."""
     n_out, xs, wb, sb, rs = _prep(x, w, w_scale, fuse_swiglu, row_scale)
     rows, k = x.shape
     if rows == 0 or n_out == 0:
@@ -220,7 +221,8 @@ def grouped_rows_into(
     cfg = GROUPED_CFG
     bm, bk = block_m or cfg["BLOCK_M"], _block_k(k, cfg["BLOCK_K"])
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows)
+    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows,
+                                                          max_rows=max_rows)  # fmt: skip
     grid = (triton.cdiv(n_out, bn), slots)
     _grouped_kernel[grid](
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,

@@ -1,0 +1,220 @@
+"""Gluon kernel of the sorted-layout MXFP4 expert GEMM for experts with many rows (prefill): sm_90 only (wgmma,
+TMA). The x tiles stream through a ring of shared-memory stages fed by TMA while the weights are unpacked in
+registers and multiplied by asynchronous wgmma.
+
+Operands swapped as in ``gluon_wgmma.py`` (the decode kernel this one grows from): the weights are the A operand,
+unpacked in registers (``gluon_common``) from 64-bit loads of 8 consecutive packed bytes a thread, BLOCK_N rows a
+program (16 a warp, 64 a warpgroup); the x rows are the B operand's TN columns, from shared memory. The grid runs
+a row tile's column tiles together (pid_n is axis 0), so an expert's x tiles are read from HBM once and from L2
+by the others (with the row tiles on axis 0 each x tile came from HBM once per column tile: 0.83x the Triton
+kernel instead of 1.15x).
+
+* x relabelled once per call (``relabel_x``): wgmma's register A layout holds k pairs, so a thread's 8 packed
+  bytes are 16 logical columns only after relabelling K within each 32 packed bytes (``gluon_wgmma._relabel_k``)
+  and splitting the even (low nibble) from the odd (high nibble) columns. The decode kernel does that in
+  registers each step; here a copy of x laid out that way lets TMA load the B tiles as they are, so that no
+  thread touches x in the main loop.
+* A ring of STAGES x tiles (even and odd halves) with an mbarrier each: step i's tiles were requested
+  STAGES - 1 steps earlier; a stage is refilled once every warp has retired the wgmma that read it.
+* wgmma asynchronous one step deep: step i's unpacking runs while step i - 1's wgmma is in flight. The loop is
+  unrolled by two so that the two steps' A operands are distinct registers: a register operand must stay
+  untouched until its wgmma retires, and one set rewritten every step would make ptxas serialise the wgmma (its
+  warning C7515).
+* The weight bytes two steps ahead, as int32 words (``load_words``): carried across steps, a uint8 tensor holds a
+  byte a register and was split and repacked every step (244 -> 40 PRMT an unrolled step pair, 212 -> 204
+  registers; 3-5% faster).
+
+Epilogue as ``gluon_wgmma.py``'s (fused gate/up rows interleaved by 8 within a warp's 16: thread-local SwiGLU),
+with the stores laid out along the output columns. Results differ from the reference only in the order of the
+fp32 sums; an output column depends only on its own x row (the tiling is fixed), so rows are independent.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from deepinfer_kernels.ops._pdl import pdl_prologue
+from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
+
+from .gluon_common import expert_weight_rows, load_words, store_swapped, unpack_words
+from .gluon_wgmma import _relabel_k
+
+
+def relabel_x_ref(xs: torch.Tensor, bkh: int) -> torch.Tensor:
+    """[R, K] -> [R, K]: each chunk of 2 * bkh columns rewritten as (its even columns, its odd columns), each half
+    relabelled as ``_relabel_k`` does (packed index 32c + 8q + 2a + b to 32c + 8a + 2q + b). The definition
+    ``relabel_x`` is tested against."""
+    r, k = xs.shape
+    v = xs.reshape(r, k // (2 * bkh), bkh // 32, 4, 4, 2, 2)  # (chunk, c, q, a, b, nibble)
+    return v.permute(0, 1, 6, 2, 4, 3, 5).reshape(r, k)
+
+
+@triton.jit
+def _relabel_kernel(x_ptr, y_ptr, R, K, BR: tl.constexpr, BKH: tl.constexpr, PDL: tl.constexpr = False):
+    """y[rows, chunk] = x[rows, chunk] relabelled (``relabel_x_ref``): BR rows x one chunk of 2 * BKH columns a
+    program, loaded and stored contiguously, permuted in registers."""
+    pdl_prologue(PDL)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1).to(tl.int64) * (2 * BKH) + tl.arange(0, 2 * BKH)
+    ptrs = rows[:, None] * K + cols[None, :]
+    ok = (rows < R)[:, None]
+    v = tl.reshape(tl.load(x_ptr + ptrs, mask=ok), (BR, BKH // 32, 4, 4, 2, 2))  # (row, c, q, a, b, nibble)
+    v = tl.reshape(tl.permute(v, (0, 5, 1, 3, 2, 4)), (BR, 2 * BKH))
+    tl.store(y_ptr + ptrs, v, mask=ok)
+
+
+def relabel_x(xs: torch.Tensor, bkh: int) -> torch.Tensor:
+    """``relabel_x_ref`` in one launch: [R, K] contiguous, K a multiple of 2 * bkh, bkh a multiple of 32."""
+    r, k = xs.shape
+    y = torch.empty_like(xs)
+    if r:
+        br = 32
+        _relabel_kernel[(triton.cdiv(r, br), k // (2 * bkh))](xs, y, r, k, BR=br, BKH=bkh, num_warps=4,
+                                                               **pdl_options(xs.device))  # fmt: skip
+    return y
+
+
+@gluon.jit
+def _issue_x(x_desc, bars, xe_s, xo_s, step, row0, BKH: gl.constexpr):
+    """Request step ``step``'s x tiles (even and odd halves of its 2 * BKH relabelled columns) into its stage."""
+    slot = step % xe_s.shape[0]
+    bar = bars.index(slot)
+    mbarrier.expect(bar, 2 * x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [row0, 2 * BKH * step], bar, xe_s.index(slot))
+    tma.async_copy_global_to_shared(x_desc, [row0, 2 * BKH * step + BKH], bar, xo_s.index(slot))
+
+
+@gluon.jit
+def _step(acc, packed, s, step, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, row0,
+          LA: gl.constexpr, BKH: gl.constexpr):  # fmt: skip
+    """One K step: the weight bytes of step + 2 requested, this step's unpacked and multiplied (wgmma left in
+    flight), the previous step's wgmma retired and its stage refilled. Returns (acc, packed, scales) of the step
+    requested."""
+    STAGES: gl.constexpr = xe_s.shape[0]
+    nxt = gl.minimum(step + 2, n_steps - 1)  # the last two steps reload the last (never used)
+    packed_n, s_n = load_words(w_rows, s_rows, nxt * BKH, kw)
+    lo, hi = unpack_words(packed, s)
+    a_lo = gl.convert_layout(_relabel_k(lo), LA)
+    a_hi = gl.convert_layout(_relabel_k(hi), LA)
+    slot = step % STAGES
+    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+    acc = warpgroup_mma(a_lo, xe_s.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a_hi, xo_s.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # step - 1's two retired
+    gl.thread_barrier()  # every warp is past step - 1's stage
+    refill = step + STAGES - 1
+    if refill < n_steps:
+        _issue_x(x_desc, bars, xe_s, xo_s, refill, row0, BKH)
+    return acc, packed_n, s_n
+
+
+@gluon.jit
+def _expert_rows_tma_kernel(
+    x_desc, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
+    FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
+    TN: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    PDL: gl.constexpr = False,
+):  # fmt: skip
+    """Program (pid_n, slot p): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows, interleaved by 8)
+    of tile p's expert against its rows [r0, r1) (at most TN; ``expert_tile_schedule``, expert -1: empty slot).
+    x_desc: TMA descriptor of ``relabel_x(x)`` ([R, K] bf16, blocks [TN, BKH]); w: [E, N, K / 2] packed E2M1;
+    s: [E, N, K / 32] UE8M0 bytes; out: [R, N_OUT]. K a multiple of 4 * BKH."""
+    pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
+    pid_n = gl.program_id(0)  # the column tiles of a row tile run together: its x tiles are read from L2
+    p = gl.program_id(1)
+    e = gl.load(tile_e_ptr + p).to(gl.int64)
+    if e >= 0:
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, TN, 16]
+        )
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        # the weights as loaded: the mma.sync A operand layout of int32 words, two (8 packed bytes) a thread
+        MMA2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, 8])  # fmt: skip
+        LW: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
+        r0 = gl.load(r0_ptr + p)
+        r1 = gl.load(r1_ptr + p)
+        j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
+        n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
+        kw = gl.arange(0, BKH // 4, layout=gl.SliceLayout(0, LW))
+        xe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TN, BKH], x_desc.layout)
+        xo_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TN, BKH], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        n_steps = K // (2 * BKH)
+        for i in gl.static_range(STAGES - 1):
+            if i < n_steps:
+                _issue_x(x_desc, bars, xe_s, xo_s, i, r0, BKH)
+        acc = gl.zeros([BLOCK_N, TN], gl.float32, ACC)
+        # two steps' weight bytes in flight: pa for the even steps, pb for the odd
+        pa, sa = load_words(w_rows, s_rows, 0, kw)
+        pb, sb = load_words(w_rows, s_rows, BKH, kw)
+        for i in range(0, n_steps, 2):  # n_steps is even
+            acc, pa, sa = _step(acc, pa, sa, i, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH)
+            acc, pb, sb = _step(acc, pb, sb, i + 1, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        # stores along the output columns: 4 consecutive a thread, 64 a half warp
+        EPI: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, NUM_WARPS], [0, 1])
+        store_swapped(acc, EPI, out_ptr, rs_ptr, n0, r0, r1, N_OUT, limit, FUSE, HAS_LIMIT, HAS_RS)
+
+
+# Fixed tiling: TN x rows a tile (the wgmma N), BLOCK_N weight rows a program (one warpgroup), BKH packed bytes
+# (2 * BKH columns) a step, STAGES x stages (96 KB: two programs an SM). H100, session 34 (V4.1 shapes, 8192
+# tokens x 6 over 384 experts, gate/up + down ms with the relabelling, byte loads): this tiling 8.13 + 4.00; two
+# warpgroups (BLOCK_N 128, 8 warps) 8.74 + 4.73; TN 256 (8 warps) 9.16 + 5.05 (but 5.98 + 3.36 against
+# 6.39 + 3.78 when 96 experts take 512 rows each); TN 64, and the weights one step ahead instead of two, slower in
+# every case; 4 stages no faster. Words instead of bytes: 8.15 + 3.93 -> 8.03 + 3.66 (the Triton kernel 10.21 +
+# 5.32, torch._grouped_mm on bf16 weights 9.37 + 4.60: bound by their 4x bytes at 128 rows an expert).
+TMA_CFG = {"TN": 128, "BLOCK_N": 64, "BKH": 64, "STAGES": 3, "num_warps": 4}
+
+
+def tma_meta(cfg: dict) -> dict:
+    """The kernel's layout constexprs for a tiling."""
+    return dict(TN=cfg["TN"], BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], STAGES=cfg["STAGES"],
+                NUM_WARPS=cfg["num_warps"])  # fmt: skip
+
+
+def x_descriptor(x_rel: torch.Tensor, cfg: dict) -> TensorDescriptor:
+    """TMA descriptor of ``relabel_x``'s [R, K] output, blocks of [TN, BKH] (128-byte rows: 128-byte swizzle)."""
+    block = [cfg["TN"], cfg["BKH"]]
+    return TensorDescriptor.from_tensor(x_rel, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def tma_supported(k: int, cfg: dict | None = None) -> bool:
+    """Whether K suits the kernel: a whole number of unrolled step pairs."""
+    cfg = cfg or TMA_CFG
+    return k > 0 and k % (4 * cfg["BKH"]) == 0
+
+
+def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows=None, fuse_swiglu=False,
+                  swiglu_limit=None, row_scale=None):  # fmt: skip
+    """The sorted layout's rows of the experts with min_rows <= rows <= max_rows (inclusive; None: no bound),
+    written into ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous,
+    ``tma_supported(K)``."""
+    cfg = TMA_CFG
+    rows, k = xs.shape
+    n_out = out.shape[1]
+    if rows == 0 or n_out == 0:
+        return out
+    x_rel = relabel_x(xs, cfg["BKH"])
+    rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
+    tile_e, r0, r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["TN"], min_rows=min_rows,
+                                                 max_rows=max_rows)  # fmt: skip
+    cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
+    _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
+        x_descriptor(x_rel, cfg), w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs,
+        tile_e, r0, r1, n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
+        num_warps=cfg["num_warps"], **tma_meta(cfg), **pdl_options(xs.device),
+    )  # fmt: skip
+    return out
