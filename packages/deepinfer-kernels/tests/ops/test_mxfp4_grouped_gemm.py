@@ -151,7 +151,7 @@ def _interp_grouped(fuse: bool, k: int) -> None:
 
 
 def _interp_relabel() -> None:
-    """The TMA kernel's x relabelling (a Triton gather) against its torch definition, and the definition against
+    """The TMA kernel's x relabelling (a Triton copy) against its torch definition, and the definition against
     the in-register one of the wgmma kernel: a chunk of 128 columns is (even columns, odd columns), each half's
     packed index 32c + 8q + 2a + b at 32c + 8a + 2q + b."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon_tma import relabel_x, relabel_x_ref
