@@ -91,6 +91,23 @@ def load_unpacked(w_rows, s_rows, k0, kh):
 
 
 @gluon.jit
+def relabel_k(t):
+    """[M, BKH] -> [M, BKH]: column 32c + 8q + 2a + b to 32c + 8a + 2q + b (a layout change only, no data moves)."""
+    m: gl.constexpr = t.shape[0]
+    kk: gl.constexpr = t.shape[1]
+    return gl.reshape(gl.permute(gl.reshape(t, [m, kk // 32, 4, 4, 2]), [0, 1, 3, 2, 4]), [m, kk])
+
+
+@gluon.constexpr_function
+def weight_load_layout(num_warps, k_width):
+    """Registers of a weight tile as the wgmma kernels load it: the ``mma.sync`` A operand layout (a warp's 16 rows,
+    ``k_width`` consecutive elements a thread: 8 uint8 bytes, or 2 int32 words of 4), which ``relabel_k`` maps onto
+    wgmma's register A operand without moving data."""
+    mma2 = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    return gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=k_width)
+
+
+@gluon.jit
 def expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N: gl.constexpr, FUSE: gl.constexpr):
     """(first output column n0, weight row pointers, scale row pointers) of program column pid_n's BLOCK_N tile rows
     ``j`` (an arange in the operand's row layout) of expert e. FUSE: tile row j = 16 w + 8 h + g is output column

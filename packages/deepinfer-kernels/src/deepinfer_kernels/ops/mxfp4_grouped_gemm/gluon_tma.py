@@ -10,7 +10,7 @@ by the others (with the row tiles on axis 0 each x tile came from HBM once per c
 kernel instead of 1.15x).
 
 * x relabelled once per call (``relabel_x``): wgmma's register A layout holds k pairs, so a thread's 8 packed
-  bytes are 16 logical columns only after relabelling K within each 32 packed bytes (``gluon_wgmma._relabel_k``)
+  bytes are 16 logical columns only after relabelling K within each 32 packed bytes (``gluon_common.relabel_k``)
   and splitting the even (low nibble) from the odd (high nibble) columns. The decode kernel does that in
   registers each step; here a copy of x laid out that way lets TMA load the B tiles as they are, so that no
   thread touches x in the main loop.
@@ -43,13 +43,19 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 
-from .gluon_common import expert_weight_rows, load_words, store_swapped, unpack_words
-from .gluon_wgmma import _relabel_k
+from .gluon_common import (
+    expert_weight_rows,
+    load_words,
+    relabel_k,
+    store_swapped,
+    unpack_words,
+    weight_load_layout,
+)
 
 
 def relabel_x_ref(xs: torch.Tensor, bkh: int) -> torch.Tensor:
     """[R, K] -> [R, K]: each chunk of 2 * bkh columns rewritten as (its even columns, its odd columns), each half
-    relabelled as ``_relabel_k`` does (packed index 32c + 8q + 2a + b to 32c + 8a + 2q + b). The definition
+    relabelled as ``relabel_k`` does (packed index 32c + 8q + 2a + b to 32c + 8a + 2q + b). The definition
     ``relabel_x`` is tested against."""
     r, k = xs.shape
     v = xs.reshape(r, k // (2 * bkh), bkh // 32, 4, 4, 2, 2)  # (chunk, c, q, a, b, nibble)
@@ -101,8 +107,8 @@ def _step(acc, packed, s, step, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s,
     nxt = gl.minimum(step + 2, n_steps - 1)  # the last two steps reload the last (never used)
     packed_n, s_n = load_words(w_rows, s_rows, nxt * BKH, kw)
     lo, hi = unpack_words(packed, s)
-    a_lo = gl.convert_layout(_relabel_k(lo), LA)
-    a_hi = gl.convert_layout(_relabel_k(hi), LA)
+    a_lo = gl.convert_layout(relabel_k(lo), LA)
+    a_hi = gl.convert_layout(relabel_k(hi), LA)
     slot = step % STAGES
     mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
     acc = warpgroup_mma(a_lo, xe_s.index(slot).permute((1, 0)), acc, is_async=True)
@@ -135,10 +141,7 @@ def _expert_rows_tma_kernel(
             version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, TN, 16]
         )
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        # the weights as loaded: the mma.sync A operand layout of int32 words, two (8 packed bytes) a thread
-        MMA2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, 8])  # fmt: skip
-        LW: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
+        LW: gl.constexpr = weight_load_layout(NUM_WARPS, 2)  # int32 words, two (8 packed bytes) a thread
         r0 = gl.load(r0_ptr + p)
         r1 = gl.load(r1_ptr + p)
         j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
@@ -190,17 +193,15 @@ def x_descriptor(x_rel: torch.Tensor, cfg: dict) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x_rel, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def tma_supported(k: int, cfg: dict | None = None) -> bool:
+def tma_supported(k: int) -> bool:
     """Whether K suits the kernel: a whole number of unrolled step pairs."""
-    cfg = cfg or TMA_CFG
-    return k > 0 and k % (4 * cfg["BKH"]) == 0
+    return k > 0 and k % (4 * TMA_CFG["BKH"]) == 0
 
 
-def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows=None, fuse_swiglu=False,
-                  swiglu_limit=None, row_scale=None):  # fmt: skip
-    """The sorted layout's rows of the experts with min_rows <= rows <= max_rows (inclusive; None: no bound),
-    written into ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous,
-    ``tma_supported(K)``."""
+def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, fuse_swiglu=False, swiglu_limit=None,
+                  row_scale=None):  # fmt: skip
+    """The sorted layout's rows of the experts with at least ``min_rows`` rows, written into ``out`` ([R, N] or
+    [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, ``tma_supported(K)``."""
     cfg = TMA_CFG
     rows, k = xs.shape
     n_out = out.shape[1]
@@ -208,8 +209,7 @@ def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows=Non
         return out
     x_rel = relabel_x(xs, cfg["BKH"])
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
-    tile_e, r0, r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["TN"], min_rows=min_rows,
-                                                 max_rows=max_rows)  # fmt: skip
+    tile_e, r0, r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["TN"], min_rows=min_rows)
     cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
     _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
         x_descriptor(x_rel, cfg), w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs,

@@ -7,7 +7,7 @@ rows the B columns, so an expert's weights are unpacked once for TN = 32 rows in
 * A from registers: a warp's 16 weight rows are unpacked in registers (``gluon_common``) from 64-bit loads of 8
   consecutive packed bytes a thread. wgmma's register A layout holds k pairs (k_width 2), so K is relabelled
   rather than shuffled: within 32 packed bytes, byte 8q + 2a + b (thread q of a quad) is logical column 8a + 2q +
-  b, and x goes to shared memory under the same relabelling (``_relabel_k``), so the dot product is unchanged.
+  b, and x goes to shared memory under the same relabelling (``relabel_k``), so the dot product is unchanged.
 * B from shared memory: each step the program loads its TN x rows (128-bit loads), splits the even and odd
   columns (the low and high nibbles' operands) and stores both, relabelled, to NVMMA-swizzled tiles.
 * Synchronous wgmma (wait 0 each step): a register A operand must stay untouched until its wgmma completes, and
@@ -42,15 +42,7 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 
-from .gluon_common import expert_weight_rows, load_unpacked, store_swapped
-
-
-@gluon.jit
-def _relabel_k(t):
-    """[M, BKH] -> [M, BKH]: column 32c + 8q + 2a + b to 32c + 8a + 2q + b (a layout change only, no data moves)."""
-    m: gl.constexpr = t.shape[0]
-    kk: gl.constexpr = t.shape[1]
-    return gl.reshape(gl.permute(gl.reshape(t, [m, kk // 32, 4, 4, 2]), [0, 1, 3, 2, 4]), [m, kk])
+from .gluon_common import expert_weight_rows, load_unpacked, relabel_k, store_swapped, weight_load_layout
 
 
 @gluon.jit
@@ -72,10 +64,7 @@ def _expert_rows_wgmma_kernel(
             version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, TN, 16]
         )
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-        # the load layout: the mma.sync A operand with k_width 8 (8 consecutive packed bytes a thread)
-        MMA2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, 8])  # fmt: skip
-        LW: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=8)
+        LW: gl.constexpr = weight_load_layout(NUM_WARPS, 8)  # uint8: 8 consecutive packed bytes a thread
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (2 * BKH // 8), 2 * BKH // 8], [NUM_WARPS, 1], [1, 0])
         r0 = gl.load(r0_ptr + p).to(gl.int64)
         r1 = gl.load(r1_ptr + p).to(gl.int64)
@@ -93,12 +82,12 @@ def _expert_rows_wgmma_kernel(
             lo, hi = load_unpacked(w_rows, s_rows, k0, kh)
             x_even, x_odd = gl.reshape(xv, [TN, BKH, 2]).split()
             gl.thread_barrier()  # the previous step's wgmma (waited for) and every warp are past the tiles
-            xe_s.store(_relabel_k(x_even))
-            xo_s.store(_relabel_k(x_odd))
+            xe_s.store(relabel_k(x_even))
+            xo_s.store(relabel_k(x_odd))
             fence_async_shared()
             gl.thread_barrier()
-            acc = warpgroup_mma(gl.convert_layout(_relabel_k(lo), LA), xe_s.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout(_relabel_k(hi), LA), xo_s.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(relabel_k(lo), LA), xe_s.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(relabel_k(hi), LA), xo_s.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         EPI: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (TN // 4), TN // 4], [NUM_WARPS, 1], [1, 0])
         store_swapped(acc, EPI, out_ptr, rs_ptr, n0, r0, r1, N_OUT, limit, FUSE, HAS_LIMIT, HAS_RS)

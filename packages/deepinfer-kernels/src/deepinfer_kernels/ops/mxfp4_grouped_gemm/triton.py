@@ -208,12 +208,12 @@ def mxfp4_grouped_gemm_triton(
 
 
 def grouped_rows_into(
-    out, x, w, w_scale, expert_offsets, *, min_rows=0, max_rows=None, block_m=None, fuse_swiglu=False,
-    swiglu_limit=None, row_scale=None,
+    out, x, w, w_scale, expert_offsets, *, min_rows=0, block_m=None, fuse_swiglu=False, swiglu_limit=None,
+    row_scale=None,
 ):  # fmt: skip
-    """The contiguous layout's rows of the experts with min_rows <= rows <= max_rows (None: no bound), written into
-    ``out`` ([R, N] or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of
-    ``block_m`` rows (None: GROUPED_CFG's)."""
+    """The contiguous layout's rows of the experts that have at least ``min_rows`` rows, written into ``out`` ([R, N]
+    or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of ``block_m`` rows
+    (None: GROUPED_CFG's)."""
     n_out, xs, wb, sb, rs = _prep(x, w, w_scale, fuse_swiglu, row_scale)
     rows, k = x.shape
     if rows == 0 or n_out == 0:
@@ -221,8 +221,7 @@ def grouped_rows_into(
     cfg = GROUPED_CFG
     bm, bk = block_m or cfg["BLOCK_M"], _block_k(k, cfg["BLOCK_K"])
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows,
-                                                          max_rows=max_rows)  # fmt: skip
+    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows)
     grid = (triton.cdiv(n_out, bn), slots)
     _grouped_kernel[grid](
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,
