@@ -73,7 +73,11 @@ def _interp_unpermute(t: int, k: int, d: int) -> None:
 def _sort_cases(cases, device: str, seed: int) -> None:
     """moe_sort's Triton kernel and the tile list against the references (integers: bitwise), per (T, k, E, skew):
     skew routes every pair to the first few experts (long runs of one expert across chunks)."""
-    from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule, expert_tile_schedule_ref
+    from deepinfer_kernels.ops.grouped_tiles import (
+        expert_tile_schedule,
+        expert_tile_schedule_ref,
+        expert_tile_schedules,
+    )
     from deepinfer_kernels.ops.moe_permute import triton as backend
     from deepinfer_kernels.ops.moe_permute.reference import inverse_order, moe_sort_ref
 
@@ -99,6 +103,13 @@ def _sort_cases(cases, device: str, seed: int) -> None:
             assert got[3] == want[3], what
             for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
                 assert_bitwise(a, b, f"tile {name} {what} BLOCK_M={block_m} rows [{lo}, {hi}]")
+        specs = [(8, 0, 2), (32, 3, 32), (128, 33, None)]  # the MXFP4 split's three lists, one launch
+        for n in (2, 3):
+            for spec, got in zip(specs[:n], expert_tile_schedules(offsets, t * k, specs[:n]), strict=True):
+                want = expert_tile_schedule_ref(offsets, t * k, spec[0], min_rows=spec[1], max_rows=spec[2])
+                assert got[3] == want[3], what
+                for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
+                    assert_bitwise(a, b, f"tile {name} {what} {spec} of {n} lists")
     print("ok")
 
 

@@ -6,7 +6,8 @@ A tile is BLOCK_M consecutive rows of one expert, starting at the expert's first
 are split at off[e], off[e] + BLOCK_M, ... whatever the other experts own, so a row's tile position depends
 on its expert's offset only.
 
-``expert_tile_schedule`` builds the list in one Triton launch (imported by the Triton backends only);
+``expert_tile_schedule`` builds the list in one Triton launch (imported by the Triton backends only), and
+``expert_tile_schedules`` up to three lists with different tilings and row bounds in one launch;
 ``expert_tile_schedule_ref`` is the same integer arithmetic in torch (about twenty small kernels, which cost a
 decode step at batch 64 more than a tenth of its MoE time), the definition its tests compare with, bitwise."""
 
@@ -54,13 +55,29 @@ def expert_tile_schedule_ref(
 
 
 @triton.jit
+def _spec(i, v0, v1, v2):
+    """The value of tile list i (0, 1 or 2) among three scalars."""
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
+
+
+@triton.jit
 def _tile_schedule_kernel(
-    off_ptr, cum_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, E, SLOTS, MIN_ROWS, MAX_ROWS,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr = False,
+    off_ptr, cum_ptr, tile_ptr, E,
+    BM0, MIN0, MAX0, SLOTS0, BASE0, BM1, MIN1, MAX1, SLOTS1, BASE1, BM2, MIN2, MAX2, SLOTS2, BASE2, TOTAL,
+    EP: tl.constexpr, SB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # one program: the tiles per expert and their running sum (kept in cum_ptr for the gathers below), then per
-    # slot a binary search for the first expert whose tiles end after it (searchsorted(cum, i, right=True))
+    # program l builds tile list l (up to three lists of the same offsets, each with its BLOCK_M and row bounds):
+    # the tiles per expert and their running sum (kept in cum_ptr for the gathers below), then per slot a binary
+    # search for the first expert whose tiles end after it (searchsorted(cum, i, right=True)); tile_ptr holds
+    # [3, TOTAL] int32 (expert, first row, end row), list l's slots from BASE_l
+    lst = tl.program_id(0)
+    BLOCK_M = _spec(lst, BM0, BM1, BM2)
+    MIN_ROWS = _spec(lst, MIN0, MIN1, MIN2)
+    MAX_ROWS = _spec(lst, MAX0, MAX1, MAX2)
+    SLOTS = _spec(lst, SLOTS0, SLOTS1, SLOTS2)
+    base = _spec(lst, BASE0, BASE1, BASE2)
+    cum_ptr += lst * E
     e = tl.arange(0, EP)
     e_ok = e < E
     lo = tl.load(off_ptr + e, mask=e_ok, other=0).to(tl.int64)
@@ -88,27 +105,46 @@ def _tile_schedule_kernel(
         own = tl.where((n >= MIN_ROWS) & (n <= MAX_ROWS), (n + BLOCK_M - 1) // BLOCK_M, 0)  # as the reference's
         r0 = first + (i - (tl.load(cum_ptr + ec) - own)) * BLOCK_M
         ok = i < SLOTS
-        tl.store(tile_e_ptr + i, tl.where(a < E, ec, -1), mask=ok)
-        tl.store(tile_r0_ptr + i, r0.to(tl.int32), mask=ok)
-        tl.store(tile_r1_ptr + i, end.to(tl.int32), mask=ok)
+        out = tile_ptr + base + i
+        tl.store(out, tl.where(a < E, ec, -1), mask=ok)
+        tl.store(out + TOTAL, r0.to(tl.int32), mask=ok)
+        tl.store(out + 2 * TOTAL, end.to(tl.int32), mask=ok)
+
+
+TileSpec = tuple[int, int, int | None]  # (BLOCK_M, min_rows, max_rows or None)
+
+
+def expert_tile_schedules(expert_offsets: torch.Tensor, rows: int, specs: list[TileSpec]):
+    """``expert_tile_schedule_ref`` for up to three (block_m, min_rows, max_rows) specs of the same offsets, in one
+    launch (a program a list): a list of (tile_e, tile_r0, tile_r1, slots), bitwise the reference's. A GEMM that
+    splits its experts between kernels by row count builds all their lists at once (a decode step at batch 256 ran
+    48 schedule launches)."""
+    if not 1 <= len(specs) <= 3:
+        raise ValueError(f"expert_tile_schedules: 1 to 3 specs, got {len(specs)}")
+    n_exp = expert_offsets.shape[0] - 1
+    dev = expert_offsets.device
+    slots = [_slots(rows, bm, n_exp, lo, hi) for bm, lo, hi in specs]
+    bases = [sum(slots[:i]) for i in range(len(specs))]
+    total = sum(slots)
+    tiles = torch.empty(3, total, dtype=torch.int32, device=dev)
+    cum = torch.empty(len(specs), n_exp, dtype=torch.int64, device=dev)
+    args = []
+    for i in range(3):
+        bm, lo, hi = specs[min(i, len(specs) - 1)]
+        args += [bm, lo, hi if hi is not None else rows, slots[min(i, len(specs) - 1)], bases[min(i, len(specs) - 1)]]
+    _tile_schedule_kernel[(len(specs),)](
+        expert_offsets.contiguous(), cum, tiles, n_exp, *args, total,
+        EP=triton.next_power_of_2(n_exp), SB=256, STEPS=max(1, n_exp.bit_length()), num_warps=4,
+        **pdl_options(dev),
+    )  # fmt: skip
+    return [(tiles[0, b : b + n], tiles[1, b : b + n], tiles[2, b : b + n], n) for b, n in zip(bases, slots)]
 
 
 def expert_tile_schedule(
     expert_offsets: torch.Tensor, rows: int, block_m: int, min_rows: int = 0, max_rows: int | None = None
 ):
     """``expert_tile_schedule_ref`` in one launch (same values, bitwise)."""
-    n_exp = expert_offsets.shape[0] - 1
-    slots = _slots(rows, block_m, n_exp, min_rows, max_rows)
-    dev = expert_offsets.device
-    tile_e, tile_r0, tile_r1 = (torch.empty(slots, dtype=torch.int32, device=dev) for _ in range(3))
-    cum = torch.empty(n_exp, dtype=torch.int64, device=dev)
-    _tile_schedule_kernel[(1,)](
-        expert_offsets.contiguous(), cum, tile_e, tile_r0, tile_r1, n_exp, slots, min_rows,
-        max_rows if max_rows is not None else rows,
-        BLOCK_M=block_m, EP=triton.next_power_of_2(n_exp), SB=256, STEPS=max(1, n_exp.bit_length()), num_warps=4,
-        **pdl_options(expert_offsets.device),
-    )  # fmt: skip
-    return tile_e, tile_r0, tile_r1, slots
+    return expert_tile_schedules(expert_offsets, rows, [(block_m, min_rows, max_rows)])[0]
 
 
 def check_row_vector(op: str, t: torch.Tensor | None, name: str, rows: int, integer: bool) -> None:

@@ -44,13 +44,18 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import hopper, pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_out
-from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
+from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedules
 from deepinfer_kernels.registry import register_backend
 
-from .gluon_common import expert_weight_rows, load_unpacked
-from .gluon_tma import tma_rows_into, tma_supported
-from .gluon_wgmma import wgmma_rows_into
-from .triton import grouped_rows_into, mxfp4_grouped_gemm_gather_triton, mxfp4_grouped_gemm_triton
+from .gluon_common import expert_weight_rows, load_unpacked, load_words, unpack_words, weight_load_layout
+from .gluon_tma import tma_rows_into, tma_supported, tma_tile_spec
+from .gluon_wgmma import wgmma_rows_into, wgmma_tile_spec
+from .triton import (
+    grouped_rows_into,
+    grouped_tile_spec,
+    mxfp4_grouped_gemm_gather_triton,
+    mxfp4_grouped_gemm_triton,
+)
 
 
 @gluon.constexpr_function
@@ -73,6 +78,23 @@ def _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc):
     lo, hi = load_unpacked(w_rows, s_rows, k0, kh)
     acc = mma_v2(lo, x_even, acc)
     return mma_v2(hi, x_odd, acc)
+
+
+@gluon.jit
+def _x_halves(x_tile, k0, LB: gl.constexpr):
+    """Step k0's x tile ([2 BKH, 8] pointers in ``_x_layout``) as the B operands of the low and high nibbles."""
+    x_pairs = gl.permute(gl.reshape(gl.load(x_tile + 2 * k0), [x_tile.shape[0] // 2, 2, 8]), [0, 2, 1])
+    x_even, x_odd = x_pairs.split()
+    return gl.convert_layout(x_even, LB, assert_trivial=True), gl.convert_layout(x_odd, LB, assert_trivial=True)
+
+
+@gluon.jit
+def _words_dot(words, s, x_even, x_odd, acc, LA: gl.constexpr):
+    """acc + (``load_words``' words of one step, unpacked) . x: the words' layout is LA's byte layout (8
+    consecutive packed bytes a thread), so the unpacked tiles are the A operand as they are."""
+    lo, hi = unpack_words(words, s)
+    acc = mma_v2(gl.convert_layout(lo, LA, assert_trivial=True), x_even, acc)
+    return mma_v2(gl.convert_layout(hi, LA, assert_trivial=True), x_odd, acc)
 
 
 @gluon.jit
@@ -101,12 +123,13 @@ def _expert_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
     SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     HAS_INDEX: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PDL: gl.constexpr = False,
+    AHEAD: gl.constexpr = 0, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
     expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8); else p is a gathered
-    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX) in all 8 columns, column 0 stored."""
+    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX) in all 8 columns, column 0 stored. AHEAD 1 / 2: each
+    step's weight bytes are requested one / two steps earlier, as int32 words (``load_words``)."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -129,18 +152,41 @@ def _expert_rows_kernel(
                 src = gl.load(index_ptr + p).to(gl.int64)
             x_rows = src + 0 * nx
         KH = K // 2
-        j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
-        n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
-        kh = gl.arange(0, BKH, layout=gl.SliceLayout(0, LA))
         kx = gl.arange(0, 2 * BKH, layout=gl.SliceLayout(1, LX))
         x_tile = x_ptr + x_rows[None, :] * K + kx[:, None]
         acc = gl.zeros([BLOCK_N, 8], gl.float32, MMA)
-        for k0 in range(0, KH, BKH):
-            x_pairs = gl.permute(gl.reshape(gl.load(x_tile + 2 * k0), [BKH, 2, 8]), [0, 2, 1])
-            x_even, x_odd = x_pairs.split()
-            x_even = gl.convert_layout(x_even, LB, assert_trivial=True)
-            x_odd = gl.convert_layout(x_odd, LB, assert_trivial=True)
-            acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
+        if AHEAD == 0:
+            j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
+            n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
+            kh = gl.arange(0, BKH, layout=gl.SliceLayout(0, LA))
+            for k0 in range(0, KH, BKH):
+                x_even, x_odd = _x_halves(x_tile, k0, LB)
+                acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
+        else:
+            LW: gl.constexpr = weight_load_layout(NUM_WARPS, 2)  # int32 words, two (8 packed bytes) a thread
+            j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
+            n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
+            kw = gl.arange(0, BKH // 4, layout=gl.SliceLayout(0, LW))
+            words, s = load_words(w_rows, s_rows, 0, kw)
+            if AHEAD == 1:
+                for k0 in range(0, KH, BKH):
+                    nxt = gl.minimum(k0 + BKH, KH - BKH)  # the last step reloads itself (never used)
+                    words_n, s_n = load_words(w_rows, s_rows, nxt, kw)
+                    x_even, x_odd = _x_halves(x_tile, k0, LB)
+                    acc = _words_dot(words, s, x_even, x_odd, acc, LA)
+                    words = words_n
+                    s = s_n
+            else:  # two steps ahead
+                words_1, s_1 = load_words(w_rows, s_rows, gl.minimum(BKH, KH - BKH), kw)
+                for k0 in range(0, KH, BKH):
+                    nxt = gl.minimum(k0 + 2 * BKH, KH - BKH)
+                    words_2, s_2 = load_words(w_rows, s_rows, nxt, kw)
+                    x_even, x_odd = _x_halves(x_tile, k0, LB)
+                    acc = _words_dot(words, s, x_even, x_odd, acc, LA)
+                    words = words_1
+                    s = s_1
+                    words_1 = words_2
+                    s_1 = s_2
         if FUSE:
             EPI: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
             g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, 8]), [0, 2, 3, 1]).split()
@@ -156,8 +202,8 @@ def _expert_rows_kernel(
 # Fixed tiling (batch-invariant). Session 28 (H200, V4 and V4.1 shapes, one and eight tokens): 64 weight rows a
 # program (16 a warp; fused gate/up: 32 output columns), 128 packed bytes (256 columns) a step; 128 rows or 256-byte
 # steps were slower at one token, 64-byte steps no faster in session 29 (``bench_mxfp4_gather_cold.py --set``).
-GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
-SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
+GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
+SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
 TILE_ROWS = 8  # rows a sorted-layout tile (the MMA's N)
 # Sorted layout: the experts are split by row count between kernels, each over its own tile list
 # (``expert_tile_schedule`` bounds), because a kernel pays an expert's weight bytes once per tile. Calls of at least
@@ -208,7 +254,7 @@ def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, 
         experts, index, r0, r1, n_out, x.shape[1], float(swiglu_limit) if swiglu_limit is not None else 0.0,
         SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
         HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"],
-        num_warps=cfg["num_warps"], **pdl_options(xs.device),
+        AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 
@@ -268,23 +314,34 @@ def mxfp4_grouped_gemm_gluon(
     large = hopper(x.device) and rows >= WGMMA_FROM_ROWS
     wgmma = large and WGMMA_MAX_ROWS > MMA_MAX_ROWS
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
+    rest_from = (WGMMA_MAX_ROWS if wgmma else mma_max) + 1  # the experts of the last kernel, TMA or Triton
+    n_exp = w.shape[0]
+    tma = large and TMA_ROWS_PER_EXPERT is not None and rows >= TMA_ROWS_PER_EXPERT * n_exp
+    tma = tma and tma_supported(x.shape[1])
+    tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * n_exp
+    block_m = TALL_BLOCK_M if tall else None
+    specs = []  # every kernel's tile list, built in one launch
     if mma_max > 0:
-        tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, TILE_ROWS, max_rows=mma_max)
+        specs.append((TILE_ROWS, 0, mma_max))
+    if wgmma:
+        specs.append(wgmma_tile_spec(mma_max + 1, WGMMA_MAX_ROWS))
+    if rows >= rest_from:  # else no expert has that many rows
+        specs.append(tma_tile_spec(rest_from) if tma else grouped_tile_spec(rest_from, block_m))
+    lists = iter(expert_tile_schedules(expert_offsets, rows, specs))
+    if mma_max > 0:
+        tile_e, tile_r0, tile_r1, slots = next(lists)
         grid = (slots, triton.cdiv(n_out, _cols(cfg, fuse_swiglu)))
         _launch(grid, xs, w, w_scale, out, row_scale, tile_e, tile_e, tile_r0, tile_r1, n_out, sorted_rows=True,
                 fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
-    triton_from = mma_max + 1
     if wgmma:
-        wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS, **epi)
-        triton_from = WGMMA_MAX_ROWS + 1
-    if rows < triton_from:  # no expert has that many rows
+        wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS,
+                        tiles=next(lists), **epi)  # fmt: skip
+    if rows < rest_from:
         return out
-    n_exp = w.shape[0]
-    if large and TMA_ROWS_PER_EXPERT is not None and rows >= TMA_ROWS_PER_EXPERT * n_exp and tma_supported(x.shape[1]):
-        return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, **epi)
-    tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * n_exp
-    block_m = TALL_BLOCK_M if tall else None
-    return grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=triton_from, block_m=block_m, **epi)
+    if tma:
+        return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, tiles=next(lists), **epi)
+    return grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, block_m=block_m,
+                             tiles=next(lists), **epi)  # fmt: skip
 
 
 register_backend(

@@ -198,10 +198,16 @@ def tma_supported(k: int) -> bool:
     return k > 0 and k % (4 * TMA_CFG["BKH"]) == 0
 
 
+def tma_tile_spec(min_rows: int) -> tuple[int, int, None]:
+    """The (BLOCK_M, min_rows, max_rows) of ``tma_rows_into``'s tile list (``expert_tile_schedules``)."""
+    return (TMA_CFG["TN"], min_rows, None)
+
+
 def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, fuse_swiglu=False, swiglu_limit=None,
-                  row_scale=None):  # fmt: skip
+                  row_scale=None, tiles=None):  # fmt: skip
     """The sorted layout's rows of the experts with at least ``min_rows`` rows, written into ``out`` ([R, N] or
-    [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, ``tma_supported(K)``."""
+    [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, ``tma_supported(K)``. ``tiles``: the tile list
+    of ``tma_tile_spec(min_rows)``, when the caller built it already."""
     cfg = TMA_CFG
     rows, k = xs.shape
     n_out = out.shape[1]
@@ -209,7 +215,7 @@ def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, fuse_swiglu=
         return out
     x_rel = relabel_x(xs, cfg["BKH"])
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
-    tile_e, r0, r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["TN"], min_rows=min_rows)
+    tile_e, r0, r1, slots = tiles or expert_tile_schedule(expert_offsets, rows, *tma_tile_spec(min_rows))
     cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
     _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
         x_descriptor(x_rel, cfg), w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs,

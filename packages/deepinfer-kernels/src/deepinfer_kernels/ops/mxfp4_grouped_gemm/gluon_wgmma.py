@@ -106,18 +106,23 @@ def wgmma_meta(cfg: dict) -> dict:
     )  # fmt: skip
 
 
+def wgmma_tile_spec(min_rows: int, max_rows: int) -> tuple[int, int, int]:
+    """The (BLOCK_M, min_rows, max_rows) of ``wgmma_rows_into``'s tile list (``expert_tile_schedules``)."""
+    return (WGMMA_CFG["TN"], min_rows, max_rows)
+
+
 def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, fuse_swiglu=False,
-                    swiglu_limit=None, row_scale=None):  # fmt: skip
+                    swiglu_limit=None, row_scale=None, tiles=None):  # fmt: skip
     """The sorted layout's rows of the experts with min_rows <= rows <= max_rows (bounds inclusive), written into
-    ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, K % (2 * BKH) == 0."""
+    ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, K % (2 * BKH) == 0. ``tiles``:
+    the tile list of ``wgmma_tile_spec(min_rows, max_rows)``, when the caller built it already."""
     cfg = WGMMA_CFG
     rows, k = xs.shape
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
-    tile_e, r0, r1, slots = expert_tile_schedule(expert_offsets, rows, cfg["TN"], min_rows=min_rows,
-                                                 max_rows=max_rows)  # fmt: skip
+    tile_e, r0, r1, slots = tiles or expert_tile_schedule(expert_offsets, rows, *wgmma_tile_spec(min_rows, max_rows))
     cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
     _expert_rows_wgmma_kernel[(slots, triton.cdiv(n_out, cols))](
         xs, w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs, tile_e, r0, r1,

@@ -207,21 +207,28 @@ def mxfp4_grouped_gemm_triton(
                              row_scale=row_scale)  # fmt: skip
 
 
+def grouped_tile_spec(min_rows: int = 0, block_m: int | None = None) -> tuple[int, int, None]:
+    """The (BLOCK_M, min_rows, max_rows) of ``grouped_rows_into``'s tile list (``expert_tile_schedules``)."""
+    return (block_m or GROUPED_CFG["BLOCK_M"], min_rows, None)
+
+
 def grouped_rows_into(
     out, x, w, w_scale, expert_offsets, *, min_rows=0, block_m=None, fuse_swiglu=False, swiglu_limit=None,
-    row_scale=None,
+    row_scale=None, tiles=None,
 ):  # fmt: skip
     """The contiguous layout's rows of the experts that have at least ``min_rows`` rows, written into ``out`` ([R, N]
     or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of ``block_m`` rows
-    (None: GROUPED_CFG's)."""
+    (None: GROUPED_CFG's). ``tiles``: the tile list of ``grouped_tile_spec(min_rows, block_m)``, when the caller
+    built it already."""
     n_out, xs, wb, sb, rs = _prep(x, w, w_scale, fuse_swiglu, row_scale)
     rows, k = x.shape
     if rows == 0 or n_out == 0:
         return out
     cfg = GROUPED_CFG
-    bm, bk = block_m or cfg["BLOCK_M"], _block_k(k, cfg["BLOCK_K"])
+    spec = grouped_tile_spec(min_rows, block_m)
+    bm, bk = spec[0], _block_k(k, cfg["BLOCK_K"])
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
-    tile_e, tile_r0, tile_r1, slots = expert_tile_schedule(expert_offsets, rows, bm, min_rows=min_rows)
+    tile_e, tile_r0, tile_r1, slots = tiles or expert_tile_schedule(expert_offsets, rows, *spec)
     grid = (triton.cdiv(n_out, bn), slots)
     _grouped_kernel[grid](
         xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,
