@@ -184,11 +184,18 @@ class Mxfp4Experts:
 MXFP4_GATHER_EXPERTS_PER_ROW = 10
 
 
+# The SwiGLU output h between the two MXFP4 expert GEMMs is bf16 where a GPU backend serves them (False: fp32
+# always; a switch for A/Bs): every backend rounds its x operand to bf16, so h in bf16 is the same numbers
+# without an fp32 write and a conversion copy before the down GEMM (0.3 ms a MoE layer at 8K tokens of V4.1, a
+# launch per layer in decode).
+MXFP4_HIDDEN_BF16 = True
+
+
 def _hidden_dtype(op: str, device: torch.device) -> torch.dtype:
-    """dtype of the SwiGLU output h between the two expert GEMMs: fp32 for the reference, bf16 where a backend serves
-    ``op`` (every one rounds its x operand to bf16, so h in bf16 is the same numbers without an fp32 write and a
-    conversion copy before the down GEMM: 0.3 ms a MoE layer at 8K tokens of V4.1, a launch per layer in decode)."""
-    return torch.float32 if registry.resolve(op, device) is registry.reference(op) else torch.bfloat16
+    """dtype of h (above): fp32 for the reference, which keeps it exact."""
+    if MXFP4_HIDDEN_BF16 and registry.resolve(op, device) is not registry.reference(op):
+        return torch.bfloat16
+    return torch.float32
 
 
 def _moe_experts_mxfp4(x, experts, weights, w13: Mxfp4Experts, w2: Mxfp4Experts, swiglu_limit):
