@@ -24,7 +24,7 @@ def _kernels():
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as mx_rows
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_wgmma as mx_wgmma
 
-    rows_sig = dict(MXFP4_SIG, expert_ptr="*i32", index_ptr="*i32")
+    rows_sig = dict(MXFP4_SIG, expert_ptr="*i32", index_ptr="*i32", RPI="i32")
     del rows_sig["tile_e_ptr"]
     mcfg = mx_rows.SORTED_CFG
     epi = dict(FUSE=True, HAS_LIMIT=True, HAS_RS=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+from deepinfer_kernels.ops.moe_permute import moe_permute, moe_sort_rows, moe_unpermute
 from deepinfer_kernels.registry import reference
 from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
 from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test, triton_importable
@@ -38,6 +38,26 @@ def test_permute_reference():
     counts = [sum(int(v) == ex for v in experts.flatten()) for ex in range(e)]
     assert offsets.tolist() == [sum(counts[:i]) for i in range(e + 1)]
     assert_bitwise(xs, torch.stack([x[p // k] for p in want_order]), "gathered rows")
+
+
+def test_sort_rows_and_unpermute_with_inverse():
+    """``moe_sort_rows`` is ``moe_permute``'s sort plus its torch expressions, and ``moe_unpermute`` given that
+    inverse equals it without; bad arguments are named."""
+    t, e, k, d = 13, 6, 3, 8
+    x, experts, w = _case(t, e, k, d, seed=11)
+    order, offsets, inverse, row_token, row_weight = moe_sort_rows(experts, w, e)
+    xs, want_order, want_offsets = moe_permute(x, experts, e)
+    assert_bitwise(order, want_order, "order")
+    assert_bitwise(offsets, want_offsets, "offsets")
+    assert_bitwise(x[row_token], xs, "rows of the sorted tokens")
+    assert_bitwise(row_weight, w.flatten()[order], "sorted weights")
+    assert_bitwise(inverse[order], torch.arange(t * k), "inverse")
+    y = torch.randn(t * k, d)
+    assert_bitwise(moe_unpermute(y, order, t, w, inverse=inverse), moe_unpermute(y, order, t, w), "unpermute")
+    with pytest.raises(ValueError, match="weights"):
+        moe_sort_rows(experts, w[:, :1], e)
+    with pytest.raises(ValueError, match="inverse"):
+        moe_unpermute(y, None, t, inverse=inverse)
 
 
 def test_unpermute_reference():

@@ -90,6 +90,10 @@ def test_gather_equals_grouped_reference():
                                          fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten(),
                                          out_dtype=torch.float32)  # fmt: skip
     assert_bitwise(gathered[order], grouped, "gathered rows (sorted) vs grouped rows")
+    by_rows = mxfp4_grouped_gemm_gather(x, w, s, experts.flatten(), rows_per_input=k, fuse_swiglu=True,
+                                        swiglu_limit=LIMIT, row_scale=weights.flatten(),
+                                        out_dtype=torch.float32)  # fmt: skip
+    assert_bitwise(by_rows, gathered, "rows_per_input = k vs row_index = arange(T * k) // k")
 
 
 def test_moe_layer_matches_moe_experts():
@@ -119,6 +123,12 @@ def test_validation():
         mxfp4_grouped_gemm(x, w, s[:, :, :1], torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match="row_index"):
         mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), row_index=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="rows_per_input"):
+        mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), row_index=torch.tensor([0, 1]), rows_per_input=2)
+    with pytest.raises(ValueError, match="rows_per_input"):
+        mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), rows_per_input=0)
+    with pytest.raises(ValueError, match="one entry per row"):  # P must be R_in * rows_per_input
+        mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1, 1]), rows_per_input=2)
 
 
 # ---------------------------------------------------------------- (b) Triton interpreter
@@ -144,6 +154,10 @@ def _interp_grouped(fuse: bool, k: int) -> None:
     ref = reference("mxfp4_grouped_gemm_gather")(x, w, s, experts.flatten(), **kw, out_dtype=torch.float32)
     got = backend.mxfp4_grouped_gemm_gather_triton(x, w, s, experts.flatten(), **kw, out_dtype=torch.float32)
     assert_rel_close(got, ref, 1e-5, "gather with row_index")
+    del kw["row_index"]  # the same rows read as pair p -> token p // top, without an index
+    got = backend.mxfp4_grouped_gemm_gather_triton(x, w, s, experts.flatten(), **kw, rows_per_input=top,
+                                                   out_dtype=torch.float32)  # fmt: skip
+    assert_rel_close(got, ref, 1e-5, "gather with rows_per_input")
     ref = reference("mxfp4_grouped_gemm_gather")(xs, w, s, experts.flatten()[order], fuse_swiglu=fuse)
     got = backend.mxfp4_grouped_gemm_gather_triton(xs, w, s, experts.flatten()[order], fuse_swiglu=fuse)
     assert_rel_close(got, ref.float(), 1e-2, "gather without row_index, bf16, no clamp")
@@ -190,6 +204,7 @@ def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool, ahead: int | None = None) -> 
     sig = {
         "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32", "rs_ptr": "*fp32", "expert_ptr": "*i32",
         "index_ptr": "*i64", "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32", "limit": "fp32",
+        "RPI": "i32",
     }  # fmt: skip
     cfg = backend.SORTED_CFG if sorted_rows else backend.GATHER_CFG
     meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse and not sorted_rows,

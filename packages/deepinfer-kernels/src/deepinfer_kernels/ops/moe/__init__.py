@@ -203,30 +203,31 @@ def _moe_experts_mxfp4(x, experts, weights, w13: Mxfp4Experts, w2: Mxfp4Experts,
     routing weight fused (fp32 out), down projection (fp32 out), then each token's k rows summed in slot order
     (``moe_unpermute``). Few rows (decode) use the gathered layout, many (prefill) ``moe_permute``'s sorted
     one; batch-invariant mode always takes the gathered layout, so a token's rows never depend on the batch."""
-    from deepinfer_kernels.ops.moe_permute import moe_permute, moe_unpermute
+    from deepinfer_kernels.ops.moe_permute import moe_sort_rows, moe_unpermute
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
 
     t, k = experts.shape
     if t == 0:
         return x.new_zeros(x.shape)
-    flat_e = experts.reshape(-1).long()
-    flat_w = weights.reshape(-1).float()
     f32 = torch.float32
     if batch_invariant() or t * k * MXFP4_GATHER_EXPERTS_PER_ROW <= w13.packed.shape[0]:
-        rows = torch.arange(t * k, device=x.device) // k
-        h = mxfp4_grouped_gemm_gather(
-            x, w13.packed, w13.scale, flat_e, row_index=rows, fuse_swiglu=True, swiglu_limit=swiglu_limit,
+        flat_e = experts.reshape(-1)
+        flat_w = weights.reshape(-1).float()
+        h = mxfp4_grouped_gemm_gather(  # pair p = t * k + i reads token t (no arange // k launches)
+            x, w13.packed, w13.scale, flat_e, rows_per_input=k, fuse_swiglu=True, swiglu_limit=swiglu_limit,
             row_scale=flat_w, out_dtype=_hidden_dtype("mxfp4_grouped_gemm_gather", x.device),
         )  # fmt: skip
         y = mxfp4_grouped_gemm_gather(h, w2.packed, w2.scale, flat_e, out_dtype=f32)
         return moe_unpermute(y, None, t, None, out_dtype=x.dtype)
-    xs, order, offsets = moe_permute(x, experts, w13.packed.shape[0])
+    # one sort gives the sorted rows' tokens and weights and the unpermute's inverse (at decode sizes one launch on
+    # the GPU, for the argsort, gathers, searchsorted and scatter of moe_permute, weights[order] and the inverse)
+    order, offsets, inverse, row_token, row_weight = moe_sort_rows(experts, weights, w13.packed.shape[0])
     h = mxfp4_grouped_gemm(
-        xs, w13.packed, w13.scale, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=flat_w[order],
-        out_dtype=_hidden_dtype("mxfp4_grouped_gemm", x.device),
+        x.index_select(0, row_token), w13.packed, w13.scale, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit,
+        row_scale=row_weight, out_dtype=_hidden_dtype("mxfp4_grouped_gemm", x.device),
     )  # fmt: skip
     y = mxfp4_grouped_gemm(h, w2.packed, w2.scale, offsets, out_dtype=f32)
-    return moe_unpermute(y, order, t, None, out_dtype=x.dtype)
+    return moe_unpermute(y, order, t, None, out_dtype=x.dtype, inverse=inverse)
 
 
 def moe_experts(

@@ -22,6 +22,32 @@ def moe_sort(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return dispatch("moe_sort", experts.device, experts, num_experts)
 
 
+def moe_sort_rows(
+    experts: torch.Tensor, weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_sort`` plus what a grouped GEMM over the sorted rows and the unpermute read beside it.
+
+    Args:
+        experts: [T, k] integer expert ids in [0, num_experts) (not validated on the device).
+        weights: [T, k] floating point routing weights.
+        num_experts: E.
+
+    Returns:
+        (order [P] int64, expert_offsets [E + 1] int64: as ``moe_sort``; inverse [P] int64: the sorted row of each
+        pair (inverse[order[j]] = j, for ``moe_unpermute``'s ``inverse``); row_token [P] int64: the token of each
+        sorted row (order // k); row_weight [P] fp32: its routing weight (weights.flatten()[order])), P = T * k,
+        all exactly these torch expressions' values. The GPU backend builds them in one launch at decode sizes.
+    """
+    if experts.dim() != 2 or experts.is_floating_point():
+        raise ValueError(f"moe_sort_rows: experts must be integer [T, k], got {experts.dtype}{tuple(experts.shape)}")
+    if tuple(weights.shape) != tuple(experts.shape) or not weights.is_floating_point():
+        raise ValueError(f"moe_sort_rows: weights must be floating point {tuple(experts.shape)}, got "
+                         f"{weights.dtype}{tuple(weights.shape)}")  # fmt: skip
+    if num_experts < 1:
+        raise ValueError(f"moe_sort_rows: num_experts must be positive, got {num_experts}")
+    return dispatch("moe_sort_rows", experts.device, experts, weights, num_experts)
+
+
 def moe_permute(
     x: torch.Tensor, experts: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,6 +78,8 @@ def moe_unpermute(
     num_tokens: int,
     weights: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    *,
+    inverse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum over slots i = 0, 1, ..., k-1 (in that order) of weights[t, i] * y[pos(t * k + i)], in fp32.
 
@@ -65,6 +93,8 @@ def moe_unpermute(
         num_tokens: T (k = y.shape[0] / T).
         weights: [T, k] floating point routing weights, or None (weights already applied).
         out_dtype: default y.dtype.
+        inverse: pos itself ([T * k] integer, ``moe_sort_rows``' inverse) when the caller has it: the inverse of
+            ``order`` is then not built again (not checked against ``order``, which must still be given).
 
     Returns:
         [T, d] in ``out_dtype``.
@@ -76,8 +106,11 @@ def moe_unpermute(
         raise ValueError(f"moe_unpermute: order must be integer [{p}], got {order.dtype}{tuple(order.shape)}")
     if weights is not None and tuple(weights.shape) != (num_tokens, p // num_tokens):
         raise ValueError(f"moe_unpermute: weights {tuple(weights.shape)} != ({num_tokens}, {p // num_tokens})")
+    if inverse is not None and (order is None or inverse.shape != order.shape or inverse.is_floating_point()):
+        raise ValueError(f"moe_unpermute: inverse must be integer [{p}] and comes with order, got "
+                         f"{inverse.dtype}{tuple(inverse.shape)}")  # fmt: skip
     out_dtype = y.dtype if out_dtype is None else out_dtype
-    return dispatch("moe_unpermute", y.device, y, order, num_tokens, weights, out_dtype)
+    return dispatch("moe_unpermute", y.device, y, order, num_tokens, weights, out_dtype, inverse=inverse)
 
 
 try:  # GPU backends register themselves when Triton imports
@@ -85,4 +118,4 @@ try:  # GPU backends register themselves when Triton imports
 except ImportError:
     pass
 
-__all__ = ["moe_permute", "moe_unpermute"]
+__all__ = ["moe_permute", "moe_sort", "moe_sort_rows", "moe_unpermute"]

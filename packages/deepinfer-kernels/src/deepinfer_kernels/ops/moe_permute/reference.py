@@ -30,11 +30,18 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+@register_reference("moe_sort_rows")
+def moe_sort_rows_ref(experts: torch.Tensor, weights: torch.Tensor, num_experts: int):
+    order, offsets = moe_sort_ref(experts, num_experts)
+    return order, offsets, inverse_order(order), order // experts.shape[1], weights.reshape(-1).float()[order]
+
+
 @register_reference("moe_unpermute")
-def moe_unpermute_ref(y, order, num_tokens, weights=None, out_dtype=None):
+def moe_unpermute_ref(y, order, num_tokens, weights=None, out_dtype=None, *, inverse=None):
     p, d = y.shape
     k = p // num_tokens
-    rows = y.float() if order is None else y.float()[inverse_order(order)]
+    pos = inverse if inverse is not None else None if order is None else inverse_order(order)
+    rows = y.float() if pos is None else y.float()[pos.long()]
     rows = rows.view(num_tokens, k, d)
     w = None if weights is None else weights.float()
     out = rows[:, 0] if w is None else rows[:, 0] * w[:, :1]

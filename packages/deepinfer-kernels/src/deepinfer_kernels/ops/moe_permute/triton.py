@@ -1,4 +1,4 @@
-"""Triton backends of ``moe_unpermute`` and ``moe_sort``.
+"""Triton backends of ``moe_unpermute``, ``moe_sort`` and ``moe_sort_rows``.
 
 ``moe_unpermute``: one program per (token, column block) adds the token's k rows in slot order (a fixed order per
 token: batch-invariant). The compiler may contract the weight multiply and the add into one FMA, so results can
@@ -27,7 +27,7 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.registry import register_backend
 
-from .reference import inverse_order, moe_sort_ref
+from .reference import inverse_order, moe_sort_ref, moe_sort_rows_ref
 
 SORT_MAX_PAIRS = 4096  # (token, slot) pairs sorted in one program; a prefill's many more take the radix sort
 SORT_CHUNK = 64
@@ -128,10 +128,9 @@ def _sort(experts: torch.Tensor, num_experts: int, weights: torch.Tensor | None)
     flat = experts.reshape(-1)
     p = flat.shape[0]
     if p > SORT_MAX_PAIRS or p == 0:
-        order, offsets = moe_sort_ref(experts, num_experts)
         if weights is None:
-            return order, offsets
-        return order, offsets, inverse_order(order), order // experts.shape[1], weights.reshape(-1).float()[order]
+            return moe_sort_ref(experts, num_experts)
+        return moe_sort_rows_ref(experts, weights, num_experts)
     nb = triton.next_power_of_2(num_experts + 1)
     order = torch.empty(p, dtype=torch.int64, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
@@ -162,5 +161,9 @@ register_backend(
 )  # fmt: skip
 register_backend(
     "moe_sort", "triton", moe_sort_triton, devices=("cuda",), priority=20, available=_cuda_available,
+    batch_invariant=True,
+)  # fmt: skip
+register_backend(
+    "moe_sort_rows", "triton", moe_sort_rows_triton, devices=("cuda",), priority=20, available=_cuda_available,
     batch_invariant=True,
 )  # fmt: skip

@@ -96,23 +96,26 @@ def mxfp4_grouped_gemm_gather(
     row_expert: torch.Tensor,
     *,
     row_index: torch.Tensor | None = None,
+    rows_per_input: int = 1,
     fuse_swiglu: bool = False,
     swiglu_limit: float | None = None,
     row_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Gathered (decode) layout: y[p] = x[row_index[p]] . W_{row_expert[p]}^T (row_index None: x[p]), with the
-    same dequantisation, fused SwiGLU and row scale as ``mxfp4_grouped_gemm``.
+    """Gathered (decode) layout: y[p] = x[row_index[p]] . W_{row_expert[p]}^T (row_index None: x[p //
+    rows_per_input]), with the same dequantisation, fused SwiGLU and row scale as ``mxfp4_grouped_gemm``.
 
-    For top-k routing of T tokens: gate/up with row_expert = experts.flatten(), row_index = arange(T*k) // k,
-    row_scale = weights.flatten(); down projection with row_index None; then sum each token's k rows
-    (``moe_unpermute`` with the identity order, or a reshape [T, k, d] and a sum over k in slot order).
+    For top-k routing of T tokens: gate/up with row_expert = experts.flatten(), rows_per_input = k (what row_index
+    = arange(T*k) // k reads, without building it), row_scale = weights.flatten(); down projection with neither;
+    then sum each token's k rows (``moe_unpermute`` with the identity order, or a reshape [T, k, d] and a sum
+    over k in slot order).
 
     Args:
         x: [R_in, K] bfloat16 (float16 / float32 accepted).
         w, w_scale: as ``mxfp4_grouped_gemm``.
         row_expert: [P] integer expert ids in [0, E) (not validated on the device).
-        row_index: [P] integer rows of x in [0, R_in), or None (then P = R_in).
+        row_index: [P] integer rows of x in [0, R_in), or None (then P = R_in * rows_per_input).
+        rows_per_input: consecutive rows of y per row of x when row_index is None (1 with a row_index).
         fuse_swiglu, swiglu_limit, row_scale ([P]), out_dtype: as ``mxfp4_grouped_gemm``.
 
     Returns:
@@ -120,13 +123,16 @@ def mxfp4_grouped_gemm_gather(
     """
     op = "mxfp4_grouped_gemm_gather"
     _check_weights(op, x, w, w_scale, fuse_swiglu)
-    check_gather_rows(op, row_expert, row_index, row_scale, x.shape[0])
+    if not isinstance(rows_per_input, int) or rows_per_input < 1 or (row_index is not None and rows_per_input != 1):
+        raise ValueError(f"{op}: rows_per_input must be a positive int, and 1 with a row_index, got {rows_per_input!r}")
+    check_gather_rows(op, row_expert, row_index, row_scale, x.shape[0] * rows_per_input)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    extra = {"rows_per_input": rows_per_input} if rows_per_input != 1 else {}  # backends without it serve the rest
     return dispatch(
         op, x.device, x, w, w_scale, row_expert,
         row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype, **extra,
     )  # fmt: skip
 
 

@@ -120,7 +120,7 @@ def _store_rows(acc_g, acc_u, L: gl.constexpr, out_ptr, rs_ptr, n0, N_OUT, limit
 
 @gluon.jit
 def _expert_rows_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
+    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit, RPI,
     SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     HAS_INDEX: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, NUM_WARPS: gl.constexpr,
     AHEAD: gl.constexpr = 0, PDL: gl.constexpr = False,
@@ -128,8 +128,8 @@ def _expert_rows_kernel(
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
     expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8); else p is a gathered
-    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX) in all 8 columns, column 0 stored. AHEAD 1 / 2: each
-    step's weight bytes are requested one / two steps earlier, as int32 words (``load_words``)."""
+    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX, else p // RPI) in all 8 columns, column 0 stored.
+    AHEAD 1 / 2: each step's weight bytes are requested one / two steps earlier, as int32 words (``load_words``)."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -147,7 +147,7 @@ def _expert_rows_kernel(
             r1 = gl.load(r1_ptr + p).to(gl.int64)
             x_rows = gl.minimum(r0 + nx, r1 - 1)  # columns past the tile's rows repeat its last row (not stored)
         else:
-            src = p
+            src = p // RPI
             if HAS_INDEX:
                 src = gl.load(index_ptr + p).to(gl.int64)
             x_rows = src + 0 * nx
@@ -246,15 +246,15 @@ def _fallback(k: int, cfg: dict) -> bool:
 
 
 def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, *, sorted_rows, fuse_swiglu,
-            swiglu_limit, cfg):  # fmt: skip
+            swiglu_limit, cfg, rows_per_input=1):  # fmt: skip
     xs = x.to(torch.bfloat16).contiguous()  # the MMA operand is bf16 (fp16 / fp32 inputs are rounded)
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
     _expert_rows_kernel[grid](
         xs, w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs,
         experts, index, r0, r1, n_out, x.shape[1], float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"],
-        AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
+        rows_per_input, SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None,
+        HAS_RS=row_scale is not None, HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"],
+        NUM_WARPS=cfg["num_warps"], AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 
@@ -266,6 +266,7 @@ def mxfp4_grouped_gemm_gather_gluon(
     row_expert,
     *,
     row_index=None,
+    rows_per_input=1,
     fuse_swiglu=False,
     swiglu_limit=None,
     row_scale=None,
@@ -275,8 +276,8 @@ def mxfp4_grouped_gemm_gather_gluon(
     cfg = GATHER_CFG
     if _fallback(x.shape[1], cfg):
         return mxfp4_grouped_gemm_gather_triton(
-            x, w, w_scale, row_expert, row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
-            row_scale=row_scale, out_dtype=out_dtype,
+            x, w, w_scale, row_expert, row_index=row_index, rows_per_input=rows_per_input, fuse_swiglu=fuse_swiglu,
+            swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
         )  # fmt: skip
     p = row_expert.shape[0]
     out = expert_out(p, w, fuse_swiglu, out_dtype, x.device)
@@ -287,7 +288,8 @@ def mxfp4_grouped_gemm_gather_gluon(
     index = row_index.contiguous() if row_index is not None else experts
     grid = (p, triton.cdiv(n_out, _cols(cfg, fuse_swiglu)))
     return _launch(grid, x, w, w_scale, out, row_scale, experts, index, experts, experts, n_out, sorted_rows=False,
-                   fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
+                   fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg,
+                   rows_per_input=rows_per_input)  # fmt: skip
 
 
 def mxfp4_grouped_gemm_gluon(

@@ -51,6 +51,7 @@ def mxfp4_grouped_gemm_gather_ref(
     row_expert,
     *,
     row_index=None,
+    rows_per_input=1,
     fuse_swiglu=False,
     swiglu_limit=None,
     row_scale=None,
@@ -59,7 +60,8 @@ def mxfp4_grouped_gemm_gather_ref(
     p = row_expert.shape[0]
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     out = torch.zeros(p, n_out, dtype=torch.float32, device=x.device)
-    x32 = (x if row_index is None else x[row_index.long()]).float()
+    rows = x.repeat_interleave(rows_per_input, 0) if row_index is None else x[row_index.long()]
+    x32 = rows.float()
     ids = row_expert.long()
     for e in torch.unique(ids).tolist():
         rows = (ids == e).nonzero().squeeze(1)

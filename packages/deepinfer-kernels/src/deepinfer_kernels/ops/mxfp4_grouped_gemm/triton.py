@@ -146,7 +146,7 @@ def _grouped_kernel(
 @triton.jit
 def _gather_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr,
-    N_OUT, K, limit,
+    N_OUT, K, limit, RPI,
     FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr, HAS_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -155,7 +155,7 @@ def _gather_kernel(
     p = tl.program_id(0).to(tl.int64)  # axis 0 walks the rows (no 65535 limit on their number)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + p).to(tl.int64)
-    src = p
+    src = p // RPI  # RPI: rows of y per row of x without an index
     if HAS_INDEX:
         src = tl.load(index_ptr + p).to(tl.int64)
     lane = tl.arange(0, BLOCK_M)
@@ -247,6 +247,7 @@ def mxfp4_grouped_gemm_gather_triton(
     row_expert,
     *,
     row_index=None,
+    rows_per_input=1,
     fuse_swiglu=False,
     swiglu_limit=None,
     row_scale=None,
@@ -266,7 +267,7 @@ def mxfp4_grouped_gemm_gather_triton(
     grid = (p, triton.cdiv(n_out, bn))
     _gather_kernel[grid](
         xs, wb, sb, out, rs, row_expert.contiguous(), idx, n_out, k,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0, rows_per_input,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
         HAS_INDEX=row_index is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, EMULATE=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
