@@ -200,9 +200,10 @@ def _hidden_dtype(op: str, device: torch.device) -> torch.dtype:
 
 def _moe_experts_mxfp4(x, experts, weights, w13: Mxfp4Experts, w2: Mxfp4Experts, swiglu_limit):
     """Routed experts over MXFP4 weights with the grouped-GEMM ops: gate/up with the clamped SwiGLU and the
-    routing weight fused (fp32 out), down projection (fp32 out), then each token's k rows summed in slot order
-    (``moe_unpermute``). Few rows (decode) use the gathered layout, many (prefill) ``moe_permute``'s sorted
-    one; batch-invariant mode always takes the gathered layout, so a token's rows never depend on the batch."""
+    routing weight fused (h: ``_hidden_dtype``), down projection (fp32 out), then each token's k rows summed in slot
+    order (``moe_unpermute``). Few rows (decode) use the gathered layout, more (larger batches, prefill) the sorted
+    one (``moe_sort_rows``); batch-invariant mode always takes the gathered layout, so a token's rows never depend
+    on the batch."""
     from deepinfer_kernels.ops.moe_permute import moe_sort_rows, moe_unpermute
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
 

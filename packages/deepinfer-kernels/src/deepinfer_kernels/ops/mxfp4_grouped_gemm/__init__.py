@@ -128,7 +128,7 @@ def mxfp4_grouped_gemm_gather(
     check_gather_rows(op, row_expert, row_index, row_scale, x.shape[0] * rows_per_input)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    extra = {"rows_per_input": rows_per_input} if rows_per_input != 1 else {}  # backends without it serve the rest
+    extra = {"rows_per_input": rows_per_input} if rows_per_input != 1 else {}  # a backend without it serves 1
     return dispatch(
         op, x.device, x, w, w_scale, row_expert,
         row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
