@@ -261,7 +261,7 @@ def moe_experts(
     does not validate expert ids (that would synchronise).
 
     With ``Mxfp4Experts`` weights the MXFP4 grouped-GEMM ops run instead (``mxfp4_grouped_gemm[_gather]``,
-    ``moe_permute`` / ``moe_unpermute``): the same function of the dequantised weights, except that a token
+    ``moe_sort_rows`` / ``moe_unpermute``): the same function of the dequantised weights, except that a token
     sums its k expert outputs in slot order (not ascending expert id) and GPU backends round the down
     projection's input to bf16, so results agree with the dequantised path to rounding, not bitwise.
     """
