@@ -202,6 +202,10 @@ def _expert_rows_kernel(
 # Fixed tiling (batch-invariant). Session 28 (H200, V4 and V4.1 shapes, one and eight tokens): 64 weight rows a
 # program (16 a warp; fused gate/up: 32 output columns), 128 packed bytes (256 columns) a step; 128 rows or 256-byte
 # steps were slower at one token, 64-byte steps no faster in session 29 (``bench_mxfp4_gather_cold.py --set``).
+# AHEAD (the weight words of the step one or two ahead in flight) stays 0: H100, session 35, V4.1 cold us (AHEAD 0 /
+# 1 / 2 at BKH 128): one token gate/up 41.1 / 55.9 / 56.6, down 20.7 / 19.4 / 27.5; 8 tokens 264 / 263 / 281 and
+# 137 / 133 / 133; 64 tokens 1482 / 1473 / 1533 and 728 / 730 / 724 (71-76% of copy already); BKH 64 slower in
+# every case (``benchmarks/baselines/session35_h100.log``).
 GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
 SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
 TILE_ROWS = 8  # rows a sorted-layout tile (the MMA's N)
