@@ -47,7 +47,7 @@ from deepinfer_kernels.ops.moe import (
     swiglu_clamp,
     swiglu_mlp,
 )
-from deepinfer_kernels.ops.moe_permute import moe_permute, moe_sort, moe_unpermute
+from deepinfer_kernels.ops.moe_permute import moe_permute, moe_sort, moe_sort_rows, moe_unpermute
 from deepinfer_kernels.ops.mxfp4_grouped_gemm import mxfp4_grouped_gemm, mxfp4_grouped_gemm_gather
 from deepinfer_kernels.ops.quant import (
     act_dequant_fp8,
@@ -135,6 +135,7 @@ __all__ = [
     "fp8_gemm_nt",
     "moe_permute",
     "moe_sort",
+    "moe_sort_rows",
     "moe_unpermute",
     "mxfp4_grouped_gemm",
     "mxfp4_grouped_gemm_gather",
