@@ -194,7 +194,7 @@ INTERPRETED = {
 test_triton_interpreted = needs_triton(interpreted_cases_test(__file__, INTERPRETED))
 
 
-def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool, ahead: int | None = None) -> tuple[str, int]:
+def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool) -> tuple[str, int]:
     """The Gluon kernel compiled for sm_90 (PTX, not run: Gluon has no interpreter) as its launch specialises it."""
     import triton
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
@@ -208,8 +208,7 @@ def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool, ahead: int | None = None) -> 
     }  # fmt: skip
     cfg = backend.SORTED_CFG if sorted_rows else backend.GATHER_CFG
     meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse and not sorted_rows,
-                BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"],
-                AHEAD=cfg["AHEAD"] if ahead is None else ahead)  # fmt: skip
+                BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"])  # fmt: skip
     sig.update(dict.fromkeys(meta, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     src = GluonASTSource(fn=backend._expert_rows_kernel, signature=sig, constexprs=meta, attrs=attrs)
@@ -219,13 +218,12 @@ def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool, ahead: int | None = None) -> 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
 @pytest.mark.parametrize("sorted_rows,fuse", [(False, True), (False, False), (True, True), (True, False)])
-@pytest.mark.parametrize("ahead", [0, 1, 2])
-def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse, ahead):
-    """The layouts lower (the x halves are the B operand without a shuffle, and with ``AHEAD`` the unpacked words
-    the A operand: ``assert_trivial``), weights stream as 64-bit loads and x as 128-bit ones into bf16
-    ``mma.sync``, nothing spills, and shared memory is only the fused epilogue's exchange."""
+def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse):
+    """The layouts lower (the x halves are the B operand without a shuffle: ``assert_trivial``), weights stream as
+    64-bit loads and x as 128-bit ones into bf16 ``mma.sync``, nothing spills, and shared memory is only the fused
+    epilogue's exchange."""
     pytest.importorskip("triton.experimental.gluon")
-    ptx, shared = _gluon_ptx_sm90(sorted_rows, fuse, ahead)
+    ptx, shared = _gluon_ptx_sm90(sorted_rows, fuse)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert ptx.count("ld.global.v2.b32") >= 8, "weight bytes in 64-bit loads"
     assert ptx.count("ld.global.v4.b32") >= 8, "x in 128-bit loads"
@@ -376,6 +374,9 @@ def test_gpu_gather_gluon_real_shapes(v41_experts, t):
     h = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, **kw)
     h_ref = reference("mxfp4_grouped_gemm_gather")(x, w13, s13, ids, **kw, out_dtype=torch.float32)
     assert_rel_close(h, h_ref, 1e-2, f"gluon gather gate/up, {t} tokens")
+    by_rows = {k: v for k, v in kw.items() if k != "row_index"}
+    h_rows = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, rows_per_input=TOP_K, **by_rows)
+    assert_bitwise(h_rows, h, f"gluon gather: rows_per_input = k vs row_index, {t} tokens")
     h32 = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, **kw, out_dtype=torch.float32)
     assert_rel_close(h32, h_ref, 1e-5, f"gluon gather gate/up fp32 out, {t} tokens")
     y = backend.mxfp4_grouped_gemm_gather_gluon(h, w2, s2, ids, out_dtype=torch.float32)
@@ -392,43 +393,6 @@ def test_gpu_gather_gluon_real_shapes(v41_experts, t):
                                                   swiglu_limit=LIMIT, row_index=torch.zeros(6, dtype=torch.long,
                                                   device="cuda"), row_scale=weights.flatten()[last])  # fmt: skip
     assert_bitwise(one, h[last], f"gluon gather: token {t - 1} alone vs among {t}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bkh", [128, 64])
-def test_gpu_gluon_ahead_bitwise(v41_experts, bkh, monkeypatch):
-    """The mma.sync kernel with its weight bytes requested 0, 1 or 2 steps ahead (``AHEAD``): the same sums in the
-    same order, so bitwise equal, gathered and sorted, gate/up and down; and close to the reference."""
-    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
-
-    monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 20)  # every sorted expert in the 8-row tiles
-    monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 1 << 20)
-    w13, s13, w2, s2 = v41_experts
-    t = 9
-    x, experts, weights = _tokens(t, seed=400)
-    ids = experts.flatten()
-    gkw = dict(row_index=torch.arange(t * TOP_K, device="cuda") // TOP_K, fuse_swiglu=True, swiglu_limit=LIMIT,
-               row_scale=weights.flatten(), out_dtype=torch.float32)  # fmt: skip
-    xs, order, offsets = moe_permute(x, experts % 5, EXPERTS)  # ~11 rows an expert: two tiles, one partial
-    skw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order], out_dtype=torch.float32)
-    h = torch.randn(t * TOP_K, w2.shape[2] * 2, device="cuda").to(torch.bfloat16)
-    calls = {
-        "gather gate/up": (backend.mxfp4_grouped_gemm_gather_gluon, (x, w13, s13, ids), gkw),
-        "gather down": (backend.mxfp4_grouped_gemm_gather_gluon, (h, w2, s2, ids), dict(out_dtype=torch.float32)),
-        "sorted gate/up": (backend.mxfp4_grouped_gemm_gluon, (xs, w13, s13, offsets), skw),
-        "sorted down": (backend.mxfp4_grouped_gemm_gluon, (h, w2, s2, offsets), dict(out_dtype=torch.float32)),
-    }
-    for name, (fn, args, kw) in calls.items():
-        got = {}
-        for ahead in (0, 1, 2):
-            for cfg in ("GATHER_CFG", "SORTED_CFG"):
-                monkeypatch.setitem(getattr(backend, cfg), "AHEAD", ahead)
-                monkeypatch.setitem(getattr(backend, cfg), "BKH", bkh)
-            got[ahead] = fn(*args, **kw)
-        ref_op = "mxfp4_grouped_gemm_gather" if name.startswith("gather") else "mxfp4_grouped_gemm"
-        assert_rel_close(got[0], reference(ref_op)(*args, **kw), 1e-5, f"{name}, BKH {bkh}")
-        assert_bitwise(got[1], got[0], f"{name}: one step ahead vs none, BKH {bkh}")
-        assert_bitwise(got[2], got[0], f"{name}: two steps ahead vs none, BKH {bkh}")
 
 
 @pytest.mark.gpu

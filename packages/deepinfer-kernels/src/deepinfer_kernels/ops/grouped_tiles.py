@@ -128,12 +128,10 @@ def expert_tile_schedules(expert_offsets: torch.Tensor, rows: int, specs: list[T
     total = sum(slots)
     tiles = torch.empty(3, total, dtype=torch.int32, device=dev)
     cum = torch.empty(len(specs), n_exp, dtype=torch.int64, device=dev)
-    args = []
-    for i in range(3):
-        bm, lo, hi = specs[min(i, len(specs) - 1)]
-        args += [bm, lo, hi if hi is not None else rows, slots[min(i, len(specs) - 1)], bases[min(i, len(specs) - 1)]]
+    lists = [(bm, lo, rows if hi is None else hi, n, b) for (bm, lo, hi), n, b in zip(specs, slots, bases)]
+    lists += [lists[-1]] * (3 - len(lists))  # the kernel takes three; programs past len(specs) are not launched
     _tile_schedule_kernel[(len(specs),)](
-        expert_offsets.contiguous(), cum, tiles, n_exp, *args, total,
+        expert_offsets.contiguous(), cum, tiles, n_exp, *(v for spec in lists for v in spec), total,
         EP=triton.next_power_of_2(n_exp), SB=256, STEPS=max(1, n_exp.bit_length()), num_warps=4,
         **pdl_options(dev),
     )  # fmt: skip

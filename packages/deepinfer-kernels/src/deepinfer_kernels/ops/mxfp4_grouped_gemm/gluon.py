@@ -47,7 +47,7 @@ from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_ou
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedules
 from deepinfer_kernels.registry import register_backend
 
-from .gluon_common import expert_weight_rows, load_unpacked, load_words, unpack_words, weight_load_layout
+from .gluon_common import expert_weight_rows, load_unpacked
 from .gluon_tma import tma_rows_into, tma_supported, tma_tile_spec
 from .gluon_wgmma import wgmma_rows_into, wgmma_tile_spec
 from .triton import (
@@ -81,23 +81,6 @@ def _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc):
 
 
 @gluon.jit
-def _x_halves(x_tile, k0, LB: gl.constexpr):
-    """Step k0's x tile ([2 BKH, 8] pointers in ``_x_layout``) as the B operands of the low and high nibbles."""
-    x_pairs = gl.permute(gl.reshape(gl.load(x_tile + 2 * k0), [x_tile.shape[0] // 2, 2, 8]), [0, 2, 1])
-    x_even, x_odd = x_pairs.split()
-    return gl.convert_layout(x_even, LB, assert_trivial=True), gl.convert_layout(x_odd, LB, assert_trivial=True)
-
-
-@gluon.jit
-def _words_dot(words, s, x_even, x_odd, acc, LA: gl.constexpr):
-    """acc + (``load_words``' words of one step, unpacked) . x: the words' layout is LA's byte layout (8
-    consecutive packed bytes a thread), so the unpacked tiles are the A operand as they are."""
-    lo, hi = unpack_words(words, s)
-    acc = mma_v2(gl.convert_layout(lo, LA, assert_trivial=True), x_even, acc)
-    return mma_v2(gl.convert_layout(hi, LA, assert_trivial=True), x_odd, acc)
-
-
-@gluon.jit
 def _store_rows(acc_g, acc_u, L: gl.constexpr, out_ptr, rs_ptr, n0, N_OUT, limit, p, r0, r1,
                 SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr):  # fmt: skip
     """Epilogue of [BN, 8] accumulators in layout L: output columns n0 .. n0 + BN of the tile's rows (SORTED:
@@ -123,13 +106,12 @@ def _expert_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit, RPI,
     SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     HAS_INDEX: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, NUM_WARPS: gl.constexpr,
-    AHEAD: gl.constexpr = 0, PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
     expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8); else p is a gathered
-    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX, else p // RPI) in all 8 columns, column 0 stored.
-    AHEAD 1 / 2: each step's weight bytes are requested one / two steps earlier, as int32 words (``load_words``)."""
+    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX, else p // RPI) in all 8 columns, column 0 stored."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -152,41 +134,18 @@ def _expert_rows_kernel(
                 src = gl.load(index_ptr + p).to(gl.int64)
             x_rows = src + 0 * nx
         KH = K // 2
+        j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
+        n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
+        kh = gl.arange(0, BKH, layout=gl.SliceLayout(0, LA))
         kx = gl.arange(0, 2 * BKH, layout=gl.SliceLayout(1, LX))
         x_tile = x_ptr + x_rows[None, :] * K + kx[:, None]
         acc = gl.zeros([BLOCK_N, 8], gl.float32, MMA)
-        if AHEAD == 0:
-            j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
-            n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
-            kh = gl.arange(0, BKH, layout=gl.SliceLayout(0, LA))
-            for k0 in range(0, KH, BKH):
-                x_even, x_odd = _x_halves(x_tile, k0, LB)
-                acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
-        else:
-            LW: gl.constexpr = weight_load_layout(NUM_WARPS, 2)  # int32 words, two (8 packed bytes) a thread
-            j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
-            n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
-            kw = gl.arange(0, BKH // 4, layout=gl.SliceLayout(0, LW))
-            words, s = load_words(w_rows, s_rows, 0, kw)
-            if AHEAD == 1:
-                for k0 in range(0, KH, BKH):
-                    nxt = gl.minimum(k0 + BKH, KH - BKH)  # the last step reloads itself (never used)
-                    words_n, s_n = load_words(w_rows, s_rows, nxt, kw)
-                    x_even, x_odd = _x_halves(x_tile, k0, LB)
-                    acc = _words_dot(words, s, x_even, x_odd, acc, LA)
-                    words = words_n
-                    s = s_n
-            else:  # two steps ahead
-                words_1, s_1 = load_words(w_rows, s_rows, gl.minimum(BKH, KH - BKH), kw)
-                for k0 in range(0, KH, BKH):
-                    nxt = gl.minimum(k0 + 2 * BKH, KH - BKH)
-                    words_2, s_2 = load_words(w_rows, s_rows, nxt, kw)
-                    x_even, x_odd = _x_halves(x_tile, k0, LB)
-                    acc = _words_dot(words, s, x_even, x_odd, acc, LA)
-                    words = words_1
-                    s = s_1
-                    words_1 = words_2
-                    s_1 = s_2
+        for k0 in range(0, KH, BKH):
+            x_pairs = gl.permute(gl.reshape(gl.load(x_tile + 2 * k0), [BKH, 2, 8]), [0, 2, 1])
+            x_even, x_odd = x_pairs.split()
+            x_even = gl.convert_layout(x_even, LB, assert_trivial=True)
+            x_odd = gl.convert_layout(x_odd, LB, assert_trivial=True)
+            acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
         if FUSE:
             EPI: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
             g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, 8]), [0, 2, 3, 1]).split()
@@ -202,12 +161,13 @@ def _expert_rows_kernel(
 # Fixed tiling (batch-invariant). Session 28 (H200, V4 and V4.1 shapes, one and eight tokens): 64 weight rows a
 # program (16 a warp; fused gate/up: 32 output columns), 128 packed bytes (256 columns) a step; 128 rows or 256-byte
 # steps were slower at one token, 64-byte steps no faster in session 29 (``bench_mxfp4_gather_cold.py --set``).
-# AHEAD (the weight words of the step one or two ahead in flight) stays 0: H100, session 35, V4.1 cold us (AHEAD 0 /
-# 1 / 2 at BKH 128): one token gate/up 41.1 / 55.9 / 56.6, down 20.7 / 19.4 / 27.5; 8 tokens 264 / 263 / 281 and
-# 137 / 133 / 133; 64 tokens 1482 / 1473 / 1533 and 728 / 730 / 724 (71-76% of copy already); BKH 64 slower in
-# every case (``benchmarks/baselines/session35_h100.log``).
-GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
-SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4, "AHEAD": 0}
+# Tried and removed (session 35, H100, V4.1 cold us, none / one / two steps ahead at 128-byte steps): each step's
+# weight bytes requested one or two steps earlier as int32 words (the TMA kernel's ``load_words``): one token
+# gate/up 41.1 / 55.9 / 56.6, down 20.7 / 19.4 / 27.5; 8 tokens 264 / 263 / 281 and 137 / 133 / 133; 64 tokens
+# 1482 / 1473 / 1533 and 728 / 730 / 724 (71-76% of copy already); 64-byte steps slower in every case
+# (``benchmarks/baselines/session35_h100.log``).
+GATHER_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
+SORTED_CFG = {"BLOCK_N": 64, "BKH": 128, "num_warps": 4}
 TILE_ROWS = 8  # rows a sorted-layout tile (the MMA's N)
 # Sorted layout: the experts are split by row count between kernels, each over its own tile list
 # (``expert_tile_schedule`` bounds), because a kernel pays an expert's weight bytes once per tile. Calls of at least
@@ -258,7 +218,7 @@ def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, 
         experts, index, r0, r1, n_out, x.shape[1], float(swiglu_limit) if swiglu_limit is not None else 0.0,
         rows_per_input, SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None,
         HAS_RS=row_scale is not None, HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"],
-        NUM_WARPS=cfg["num_warps"], AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
+        NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
 
