@@ -443,16 +443,17 @@ def test_gpu_sorted_gluon_real_shapes(v41_experts, t, kernel, monkeypatch):
 def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
     """The split dispatch uses on sm_90: skewed routing sends experts of every size class to the kernels (at 8
     and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300 and 700, over WGMMA_FROM_ROWS, mma.sync <=
-    MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall, or with ``tma``
-    the TMA kernel: the thresholds lowered to two rows an expert); a K the Gluon kernels do not serve goes to
-    Triton; with no rows for the Gluon kernels (and 64-row tiles) every expert is in the Triton one, bitwise."""
+    MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall (the threshold
+    lowered to two rows an expert); with ``tma`` the TMA kernel instead of Triton at every size, TMA_FROM_ROWS
+    lowered to 0); a K the Gluon kernels do not serve goes to Triton; with no rows for the Gluon kernels (and
+    64-row tiles) every expert is in the Triton one, bitwise."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
 
-    if tma and (t < 300 or torch.cuda.get_device_capability()[0] != 9):
-        pytest.skip("the TMA kernel serves sm_90 calls over WGMMA_FROM_ROWS rows")
+    if tma and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernel is sm_90 only")
     monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", 2)  # tall from 2 E rows: 300 and 700 tokens
-    monkeypatch.setattr(backend, "TMA_ROWS_PER_EXPERT", 2 if tma else None)
+    monkeypatch.setattr(backend, "TMA_FROM_ROWS", 0 if tma else None)
     w13, s13, w2, s2 = v41_experts
     ref = reference("mxfp4_grouped_gemm")
     x, experts, weights = _tokens(t, seed=400 + t)
@@ -470,7 +471,7 @@ def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
     monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 30)
     monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel's 64-row tiles
     monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", None)
-    monkeypatch.setattr(backend, "TMA_ROWS_PER_EXPERT", None)
+    monkeypatch.setattr(backend, "TMA_FROM_ROWS", None)
     h_tr = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw)
     assert_bitwise(h_tr, triton_backend.mxfp4_grouped_gemm_triton(xs, w13, s13, offsets, **kw), "no Gluon rows")
 

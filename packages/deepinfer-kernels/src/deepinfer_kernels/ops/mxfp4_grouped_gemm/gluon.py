@@ -192,12 +192,15 @@ SMALL_MMA_MAX_ROWS = 16
 # and stays at 64; 8 warps were slower in both; 128-row tiles on every call cost a decode step at batch 64 ~0.2 ms.
 TALL_ROWS_PER_EXPERT: int | None = 64
 TALL_BLOCK_M = 128
-# Calls of at least TMA_ROWS_PER_EXPERT rows per expert on average (rows >= this x E, sm_90): the experts above
-# WGMMA_MAX_ROWS go to the TMA-fed pipelined wgmma kernel (``gluon_tma.py``) instead of the Triton tiles; None: off.
-# H100, session 34, this dispatch, V4.1 gate/up + down ms over 384 experts (uniform routing; off -> 64): 8192
-# tokens 17.49 -> 14.29, 4096 12.03 -> 10.54; 2048 (32 an expert) 8.45 either way, and 9.42 with the kernel
-# from 32 (its 128-row tiles half empty); the V4.1 slice's 8K prefill 37.7% -> 43.5% of the tensor-core floor.
-TMA_ROWS_PER_EXPERT: int | None = 64
+# Calls of at least TMA_FROM_ROWS rows (sm_90, K a multiple of 256): the experts past the last Gluon kernel's rows
+# go to the TMA-fed pipelined wgmma kernel (``gluon_tma.py``) instead of the Triton tiles; None: never. H100,
+# session 34, V4.1 gate/up + down ms over 384 experts (uniform routing; Triton -> TMA): 8192 tokens 17.49 -> 14.29,
+# 4096 12.03 -> 10.54; 2048 (32 an expert) 8.45 either way, and 9.42 with the kernel from 32 (its 128-row tiles
+# half empty); the V4.1 slice's 8K prefill 37.7% -> 43.5% of the tensor-core floor. Session 36 (H100, V4.1 slice,
+# ``ab_slice.py``, two rounds in either order): also the decode calls from WGMMA_FROM_ROWS rows (session 34 took
+# only calls of 64 rows an expert) cut batch 256 by 0.93-1.0 ms of 15.2 (the slice's skewed routers give experts
+# of 33-100 rows; Triton ran 3.6-3.9 ms of that step); TN 32 / 64 tiles instead of 128 were no better there.
+TMA_FROM_ROWS: int | None = 1024
 
 
 def _cols(cfg: dict, fuse_swiglu: bool) -> int:
@@ -261,7 +264,7 @@ def mxfp4_grouped_gemm_gluon(
 ):
     """Sorted (contiguous) layout: the experts split by row count between this kernel's tiles of TILE_ROWS rows,
     the wgmma kernel's (sm_90, calls of WGMMA_FROM_ROWS rows or more) and, for the larger experts, the TMA kernel's
-    (sm_90, calls of TMA_ROWS_PER_EXPERT rows an expert or more, K a multiple of 256) or the Triton kernel's
+    (sm_90, calls of TMA_FROM_ROWS rows or more, K a multiple of 256) or the Triton kernel's
     (``grouped_rows_into``; taller tiles for gate/up calls of TALL_ROWS_PER_EXPERT rows an expert or more), as the
     constants above say; K not a multiple of 2 * BKH: all in Triton."""
     cfg = SORTED_CFG
@@ -282,8 +285,7 @@ def mxfp4_grouped_gemm_gluon(
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
     rest_from = (WGMMA_MAX_ROWS if wgmma else mma_max) + 1  # the experts of the last kernel, TMA or Triton
     n_exp = w.shape[0]
-    tma = large and TMA_ROWS_PER_EXPERT is not None and rows >= TMA_ROWS_PER_EXPERT * n_exp
-    tma = tma and tma_supported(x.shape[1])
+    tma = hopper(x.device) and TMA_FROM_ROWS is not None and rows >= TMA_FROM_ROWS and tma_supported(x.shape[1])
     tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * n_exp
     block_m = TALL_BLOCK_M if tall else None
     specs = []  # every kernel's tile list, built in one launch

@@ -25,9 +25,9 @@ batch-invariant (the GPU tests check a token alone against the same token among 
 
 On sm_90 dispatch prefers the Gluon kernels (``gluon.py``, ``gluon_wgmma.py``; K % 256 == 0): the gathered
 layout, and in the sorted one the experts with at most ``gluon.WGMMA_MAX_ROWS`` rows (``SMALL_MMA_MAX_ROWS`` in
-calls under ``WGMMA_FROM_ROWS`` rows), and the larger experts of calls with ``gluon.TMA_ROWS_PER_EXPERT`` rows an
-expert or more (``gluon_tma.py``: prefill); these kernels take the other experts with more rows
-(``grouped_rows_into``) and the other shapes.
+calls under ``WGMMA_FROM_ROWS`` rows), and the larger experts of calls of ``gluon.TMA_FROM_ROWS`` rows or more
+(``gluon_tma.py``); these kernels take the other experts with more rows (``grouped_rows_into``) and the other
+shapes.
 
 Measured on an H200 (session 27, ``bench_mxfp4_grouped_gemm.py --quick``, V4.1-Flash shapes, cold weights; us, %
 of copy): decode gather at 1 token gate/up + down 80.7 + 41.7 (22%; the first version, fp32 products on the CUDA
