@@ -128,3 +128,46 @@ def test_depend_inline_on_cpu():
     first.join()
     second.join()
     assert x.tolist() == [3, 3]
+
+
+def test_shared_expert_inline_policy(monkeypatch):
+    """``routed_plus_shared`` asks for the "shared" lane except at SHARED_INLINE_TOKENS with MXFP4 experts, where the
+    shared expert runs first on the main path; the sum is the same either way."""
+    from deepinfer_runtime.models import layers
+
+    torch.manual_seed(0)
+    hidden, inter = 64, 32
+    experts = layers.Experts(4, inter, hidden, torch.float32)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.05)
+    shared = layers.SharedExpert(inter, hidden, torch.float32)
+    for p in shared.parameters():
+        p.data.normal_(0, 0.05)
+    asked = []
+
+    def of(device, lane="layer"):
+        asked.append(lane)
+        return SideStream.inline()
+
+    monkeypatch.setattr(layers.SideStream, "of", staticmethod(of))
+    monkeypatch.setattr(layers, "SHARED_INLINE_TOKENS", ((1, 1), (5, 6)))
+
+    def run(t, exp):
+        x = torch.randn(t, hidden)
+
+        def route():
+            return torch.full((t, 2), 0.5), torch.stack([torch.arange(t) % 4, (torch.arange(t) + 1) % 4], 1)
+
+        asked.clear()
+        out = layers.routed_plus_shared(x, route, exp, shared, 10.0)
+        w, ids = route()
+        want = exp(x, ids, w, swiglu_limit=10.0) + layers.swiglu_mlp(
+            x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=10.0
+        )
+        torch.testing.assert_close(out, want)
+        return list(asked)
+
+    assert [run(t, experts) for t in (1, 2, 5, 7)] == [["shared"]] * 4  # bf16 / fp32 experts: always the lane
+    experts.quantize_mxfp4_()
+    assert [run(t, experts) for t in (1, 2, 5, 6, 7)] == [[], ["shared"], [], [], ["shared"]]
+    assert layers.shared_expert_inline(1, torch.nn.Linear(2, 2)) is False  # e.g. expert-parallel experts

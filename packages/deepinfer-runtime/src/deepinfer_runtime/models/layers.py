@@ -273,6 +273,24 @@ def attention_rotated_back(q, kv, indices, sinks, scale, positions, inv_freq) ->
     return rope_interleaved(o, positions, inv_freq, inverse=True, out=o)  # o is the attention's fresh output
 
 
+# Token counts (inclusive ranges) at which a MoE sublayer with MXFP4 experts runs its shared expert in order on the
+# main path, before the router, instead of on the "shared" side stream. H100, V4.1 slice (``--quant fp8+fp4``, 4K,
+# pipelined ms, same-lease rounds in either order, session 36; ``ab_shared_inline_h100_session36.log``), inline
+# against the side stream: batch 1 -86 / -89 us, 8 -193 / +132 / +101, 64 -351 / -364 / -366, 256 +120 / +62. At
+# batch 64 the concurrent shared expert slowed the routed gate/up GEMM (the 8-row ``mma.sync`` kernel) from 3.97 to
+# 4.57 ms a step over 8 layers (``profile_step.py --timeline``; with DEEPINFER_SIDE_STREAMS=0 it ran 3.96), more
+# than the overlap saved; why that kernel slows is not understood. Only the four batches were measured: the range
+# bounds between them are guesses, and V4 (same code) was not measured.
+SHARED_INLINE_TOKENS: tuple[tuple[int, int], ...] = ((1, 1), (33, 128))
+
+
+def shared_expert_inline(tokens: int, experts: nn.Module) -> bool:
+    """Whether ``routed_plus_shared`` keeps the shared expert on the main path for ``tokens`` rows (see
+    SHARED_INLINE_TOKENS; only with local MXFP4 experts, where it was measured: not the expert-parallel ones)."""
+    quantized = getattr(experts, "quantized", False)
+    return quantized and any(lo <= tokens <= hi for lo, hi in SHARED_INLINE_TOKENS)
+
+
 def routed_plus_shared(
     x: torch.Tensor,
     route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
@@ -286,8 +304,8 @@ def routed_plus_shared(
     and the routed experts' latency-bound kernels (numerics unchanged), on the lane of lowest priority (lane
     "shared"), so that its programs, which fill every SM, give way to the router's. ``split``: the two addends
     (routed, shared) instead, for an mHC site whose expand adds them (``mhc_expand``'s y_add: one launch fewer,
-    the same bits)."""
-    side = SideStream.of(x.device, "shared")
+    the same bits). At the token counts of ``shared_expert_inline`` it runs first on the main path instead."""
+    side = SideStream.inline() if shared_expert_inline(x.shape[0], experts) else SideStream.of(x.device, "shared")
     with side.branch():
         y = swiglu_mlp(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=swiglu_limit)
     weights, ids = route()

@@ -89,6 +89,12 @@ class SideStream:
             side = cls._streams[(device, lane)] = cls(torch.cuda.Stream(device, priority=priority))
         return side
 
+    @classmethod
+    def inline(cls) -> SideStream:
+        """The no-op stand-in: ``branch`` and ``join`` do nothing, the work runs in order on the current stream (a
+        caller that decides per call to keep a branch on the main path)."""
+        return _INLINE
+
     @contextlib.contextmanager
     def branch(self) -> Iterator[None]:
         """Work enqueued inside runs on the side stream, after everything enqueued on the current stream so far."""

@@ -1,6 +1,7 @@
 """Gluon kernel of the sorted-layout MXFP4 expert GEMM for experts with many rows (prefill, and the experts past 32
-rows of decode calls of ``gluon.TMA_FROM_ROWS`` rows or more): sm_90 only (wgmma, TMA). The x tiles stream through a ring of shared-memory stages fed by TMA while the weights are unpacked in
-registers and multiplied by asynchronous wgmma.
+rows of decode calls of ``gluon.TMA_FROM_ROWS`` rows or more): sm_90 only (wgmma, TMA). The x tiles stream
+through a ring of shared-memory stages fed by TMA while the weights are unpacked in registers and multiplied by
+asynchronous wgmma.
 
 Operands swapped as in ``gluon_wgmma.py`` (the decode kernel this one grows from): the weights are the A operand,
 unpacked in registers (``gluon_common``) from 64-bit loads of 8 consecutive packed bytes a thread, BLOCK_N rows a
