@@ -284,6 +284,7 @@ def mxfp4_grouped_gemm_gluon(
     wgmma = large and WGMMA_MAX_ROWS > MMA_MAX_ROWS
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
     rest_from = (WGMMA_MAX_ROWS if wgmma else mma_max) + 1  # the experts of the last kernel, TMA or Triton
+    rest = rows >= rest_from  # else no expert has that many rows
     n_exp = w.shape[0]
     tma = hopper(x.device) and TMA_FROM_ROWS is not None and rows >= TMA_FROM_ROWS and tma_supported(x.shape[1])
     tall = fuse_swiglu and TALL_ROWS_PER_EXPERT is not None and rows >= TALL_ROWS_PER_EXPERT * n_exp
@@ -293,7 +294,7 @@ def mxfp4_grouped_gemm_gluon(
         specs.append((TILE_ROWS, 0, mma_max))
     if wgmma:
         specs.append(wgmma_tile_spec(mma_max + 1, WGMMA_MAX_ROWS))
-    if rows >= rest_from:  # else no expert has that many rows
+    if rest:
         specs.append(tma_tile_spec(rest_from) if tma else grouped_tile_spec(rest_from, block_m))
     lists = iter(expert_tile_schedules(expert_offsets, rows, specs))
     if mma_max > 0:
@@ -304,7 +305,7 @@ def mxfp4_grouped_gemm_gluon(
     if wgmma:
         wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS,
                         tiles=next(lists), **epi)  # fmt: skip
-    if rows < rest_from:
+    if not rest:
         return out
     if tma:
         return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, tiles=next(lists), **epi)

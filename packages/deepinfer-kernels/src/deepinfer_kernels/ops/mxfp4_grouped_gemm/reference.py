@@ -60,8 +60,7 @@ def mxfp4_grouped_gemm_gather_ref(
     p = row_expert.shape[0]
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     out = torch.zeros(p, n_out, dtype=torch.float32, device=x.device)
-    rows = x.repeat_interleave(rows_per_input, 0) if row_index is None else x[row_index.long()]
-    x32 = rows.float()
+    x32 = (x.repeat_interleave(rows_per_input, 0) if row_index is None else x[row_index.long()]).float()
     ids = row_expert.long()
     for e in torch.unique(ids).tolist():
         rows = (ids == e).nonzero().squeeze(1)
