@@ -94,9 +94,11 @@ def _sort_cases(cases, device: str, seed: int) -> None:
     """moe_sort's Triton kernel and the tile list against the references (integers: bitwise), per (T, k, E, skew):
     skew routes every pair to the first few experts (long runs of one expert across chunks)."""
     from deepinfer_kernels.ops.grouped_tiles import (
+        TileSpec,
         expert_tile_schedule,
         expert_tile_schedule_ref,
         expert_tile_schedules,
+        tail_split,
     )
     from deepinfer_kernels.ops.moe_permute import triton as backend
     from deepinfer_kernels.ops.moe_permute.reference import inverse_order, moe_sort_ref
@@ -123,10 +125,23 @@ def _sort_cases(cases, device: str, seed: int) -> None:
             assert got[3] == want[3], what
             for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
                 assert_bitwise(a, b, f"tile {name} {what} BLOCK_M={block_m} rows [{lo}, {hi}]")
-        specs = [(8, 0, 2), (32, 3, 32), (128, 33, None)]  # the MXFP4 split's three lists, one launch
-        for n in (2, 3):
+        tailed = (
+            TileSpec(16, 0, None, 4),
+            TileSpec(4, 0, None, 0, 16),
+            TileSpec(8, 3, 40, 7),
+            TileSpec(7, 3, 40, 0, 8),
+        )
+        for spec in tailed:
+            got = expert_tile_schedule(offsets, t * k, *spec[:3], tail=spec.tail, tail_of=spec.tail_of)
+            want = expert_tile_schedule_ref(offsets, t * k, *spec[:3], tail=spec.tail, tail_of=spec.tail_of)
+            assert got[3] == want[3], what
+            for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
+                assert_bitwise(a, b, f"tile {name} {what} {spec}")
+        # the MXFP4 split's lists, one launch: 8-row mma.sync, 32-row wgmma, 128-row TMA (and its tails)
+        specs = [TileSpec(8, 0, 2), TileSpec(32, 3, 32), *tail_split(TileSpec(16, 33), 8)]
+        for n in (2, 3, 4):
             for spec, got in zip(specs[:n], expert_tile_schedules(offsets, t * k, specs[:n]), strict=True):
-                want = expert_tile_schedule_ref(offsets, t * k, spec[0], min_rows=spec[1], max_rows=spec[2])
+                want = expert_tile_schedule_ref(offsets, t * k, *spec[:3], tail=spec.tail, tail_of=spec.tail_of)
                 assert got[3] == want[3], what
                 for name, a, b in zip(("expert", "first row", "end row"), got[:3], want[:3]):
                     assert_bitwise(a, b, f"tile {name} {what} {spec} of {n} lists")
@@ -140,6 +155,17 @@ def _covered(schedule, block_m):
             for r in range(a, min(a + block_m, b))]  # fmt: skip
 
 
+def _top6_offsets(t, e, skew, seed):
+    """(rows per expert, expert offsets) of T tokens' random top-6 routing over E experts (skew: over the first 30)."""
+    _, experts, _ = _case(t, e, 6, 1, seed=seed)
+    if skew:
+        experts = experts % 30
+    counts = torch.bincount(experts.flatten(), minlength=e)
+    offsets = torch.zeros(e + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return counts, offsets
+
+
 @pytest.mark.parametrize("limit", [0, 2, 16])
 def test_tile_lists_split_by_row_count(limit):
     """Two tile lists with complementary row-count bounds (the MXFP4 Gluon / Triton split) cover every row once,
@@ -147,12 +173,7 @@ def test_tile_lists_split_by_row_count(limit):
     from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule_ref
 
     for t, e, skew in ((1, 256, False), (64, 384, False), (256, 384, True), (0, 8, False)):
-        _, experts, _ = _case(t, e, 6, 1, seed=t + limit)
-        if skew:
-            experts = experts % 30
-        counts = torch.bincount(experts.flatten(), minlength=e)
-        offsets = torch.zeros(e + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(counts, 0)
+        counts, offsets = _top6_offsets(t, e, skew, seed=t + limit)
         small = expert_tile_schedule_ref(offsets, t * 6, 8, max_rows=limit)
         big = expert_tile_schedule_ref(offsets, t * 6, 64, min_rows=limit + 1)
         rows = sorted(_covered(small, 8) + _covered(big, 64))
@@ -161,6 +182,32 @@ def test_tile_lists_split_by_row_count(limit):
         assert all(counts[x] <= limit for _, x in _covered(small, 8))
         assert all(counts[x] > limit for _, x in _covered(big, 64))
         assert small[3] <= min(e, t * 6) * -(-limit // 8), "a bounded list has at most ceil(max / BLOCK_M) an expert"
+
+
+@pytest.mark.parametrize("block_m, tail", [(128, 32), (16, 4), (8, 7)])
+def test_tail_split_covers_the_body_rows_once(block_m, tail):
+    """``tail_split``: the body list and its tail list cover together exactly the rows of the list without the
+    split, each in its own expert's tile; the tail tiles are those of the experts with 1 .. tail rows past a full
+    tile, each holding exactly those rows."""
+    from deepinfer_kernels.ops.grouped_tiles import TileSpec, expert_tile_schedule_ref, tail_split
+
+    for t, e, skew in ((1, 256, False), (64, 384, False), (256, 384, True), (700, 16, False), (0, 8, False)):
+        counts, offsets = _top6_offsets(t, e, skew, seed=t + block_m)
+        plain = TileSpec(block_m, 3)
+        body, tails = tail_split(plain, tail)
+        lists = [
+            expert_tile_schedule_ref(offsets, t * 6, *s[:3], tail=s.tail, tail_of=s.tail_of)
+            for s in (plain, body, tails)
+        ]
+        what = f"T={t} E={e} skew={skew} BLOCK_M={block_m} tail={tail}"
+        split = sorted(_covered(lists[1], block_m) + _covered(lists[2], tail))
+        assert split == sorted(_covered(lists[0], block_m)), what
+        want = [x for x in range(e) if counts[x] > block_m and 0 < counts[x] % block_m <= tail]
+        tail_e, r0, r1, _ = lists[2]
+        assert sorted(x for x in tail_e.tolist() if x >= 0) == want, what
+        assert all(0 < b - a <= tail for x, a, b in zip(tail_e.tolist(), r0.tolist(), r1.tolist()) if x >= 0), what
+    with pytest.raises(ValueError, match="tail_rows"):
+        tail_split(TileSpec(16), 16)
 
 
 SORT_CASES = [(1, 6, 256, False), (40, 6, 16, False), (30, 6, 8, True), (3, 2, 5, False), (0, 6, 8, False)]

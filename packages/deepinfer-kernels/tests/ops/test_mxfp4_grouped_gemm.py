@@ -114,6 +114,19 @@ def test_moe_layer_matches_moe_experts():
     assert_rel_close(out, want, 1e-5, "permute/grouped/unpermute vs moe_experts")
 
 
+def test_sorted_row_index_reads_x_through_it():
+    """``row_index``: the sorted rows read x[row_index[r]] (token-major x, each token on several rows), the same
+    as the sorted copy of x, bitwise (reference)."""
+    t, e, k, d, inter = 11, 5, 3, 64, 32
+    w13, s13 = make_weights(e, 2 * inter, d, seed=16)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(17))
+    experts, weights = routing(t, e, k, seed=18)
+    xs, order, offsets = moe_permute(x, experts, e)
+    kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=weights.flatten()[order], out_dtype=torch.float32)
+    want = mxfp4_grouped_gemm(xs, w13, s13, offsets, **kw)
+    assert_bitwise(mxfp4_grouped_gemm(x, w13, s13, offsets, row_index=order // k, **kw), want, "row_index")
+
+
 def test_validation():
     w, s = make_weights(2, 64, 64, seed=10)
     x = torch.randn(3, 64)
@@ -123,6 +136,12 @@ def test_validation():
         mxfp4_grouped_gemm(x, w, s[:, :, :1], torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match="row_index"):
         mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), row_index=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="row_index"):
+        mxfp4_grouped_gemm(x, w, s, torch.tensor([0, 1, 2]), row_index=torch.tensor([0.0, 2.0]))
+    with pytest.raises(ValueError, match="row_index"):
+        mxfp4_grouped_gemm(x, w, s, torch.tensor([0, 1, 2]), row_index=torch.tensor(1))
+    with pytest.raises(ValueError, match="expert_offsets"):  # R is row_index's length: off[E] is not checked, E is
+        mxfp4_grouped_gemm(x, w, s, torch.tensor([0, 2]), row_index=torch.tensor([2, 0, 1, 1]))
     with pytest.raises(ValueError, match="rows_per_input"):
         mxfp4_grouped_gemm_gather(x, w, s, torch.tensor([0, 1]), row_index=torch.tensor([0, 1]), rows_per_input=2)
     with pytest.raises(ValueError, match="rows_per_input"):
@@ -147,7 +166,10 @@ def _interp_grouped(fuse: bool, k: int) -> None:
     for out_dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
         kw = dict(fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=rs, out_dtype=out_dtype)
         ref = reference("mxfp4_grouped_gemm")(xs, w, s, offsets, **{**kw, "out_dtype": torch.float32})
-        assert_rel_close(backend.mxfp4_grouped_gemm_triton(xs, w, s, offsets, **kw), ref, tol, f"grouped {out_dtype}")
+        got = backend.mxfp4_grouped_gemm_triton(xs, w, s, offsets, **kw)
+        assert_rel_close(got, ref, tol, f"grouped {out_dtype}")
+        idx = backend.mxfp4_grouped_gemm_triton(x, w, s, offsets, row_index=order // top, **kw)
+        assert_bitwise(idx, got, f"grouped {out_dtype}, x read through row_index")
     # gathered layout: token-major x with row_index, and pair-major rows without it
     idx = torch.arange(t * top) // top
     kw = dict(row_index=idx, fuse_swiglu=fuse, swiglu_limit=LIMIT, row_scale=weights.flatten())
@@ -173,6 +195,8 @@ def _interp_relabel() -> None:
     for r, k in ((1, 128), (37, 384), (70, 2304)):
         x = torch.randn(r, k, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
         assert_bitwise(relabel_x(x, 64), relabel_x_ref(x, 64), f"relabel {r}x{k}")
+        idx = torch.randint(0, r, (2 * r + 3,), generator=torch.Generator().manual_seed(k))
+        assert_bitwise(relabel_x(x, 64, idx), relabel_x_ref(x[idx], 64), f"relabel {r}x{k} through a row index")
     x = torch.arange(256.0).view(1, 256)
     y = relabel_x_ref(x, 64)
     for chunk in range(2):
@@ -207,7 +231,7 @@ def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool) -> tuple[str, int]:
         "RPI": "i32",
     }  # fmt: skip
     cfg = backend.SORTED_CFG if sorted_rows else backend.GATHER_CFG
-    meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse and not sorted_rows,
+    meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse,
                 BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"])  # fmt: skip
     sig.update(dict.fromkeys(meta, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
@@ -236,7 +260,8 @@ def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse):
 def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
     """The wgmma kernel lowers for sm_90 with its register A operand relabelled, not shuffled (no shared memory
     but the two x tiles and the epilogue's exchange), weights in 64-bit loads, x in 128-bit ones, no spills, and
-    ptxas keeps a step's wgmma in one group (a wait after the loop made it wait after each wgmma)."""
+    ptxas keeps a step's wgmma in one group (a wait after the loop made it wait after each wgmma). Fused as the
+    MoE's gate/up calls it: x read through a row index."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_wgmma as backend
@@ -245,12 +270,12 @@ def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
 
     sig = {
         "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "rs_ptr": "*fp32", "tile_e_ptr": "*i32",
-        "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32", "limit": "fp32",
+        "r0_ptr": "*i32", "r1_ptr": "*i32", "index_ptr": "*i64", "N_OUT": "i32", "K": "i32", "limit": "fp32",
     }  # fmt: skip
     cfg = backend.WGMMA_CFG
-    meta = dict(backend.wgmma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=not fuse)
+    meta = dict(backend.wgmma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=not fuse, HAS_INDEX=fuse)
     sig.update(dict.fromkeys(meta, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     src = GluonASTSource(fn=backend._expert_rows_wgmma_kernel, signature=sig, constexprs=meta, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
     ptx = k.asm["ptx"]
@@ -266,12 +291,13 @@ def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
-@pytest.mark.parametrize("fuse", [True, False])
-def test_gluon_tma_kernel_compiles_for_sm90(fuse):
-    """The TMA kernel lowers for sm_90: x tiles by TMA (no x loads from global in the main loop), weights in 64-bit
-    loads, the register A operand relabelled rather than moved through shared memory (the only shared-memory
-    loads are the epilogue's exchange), no spills, and ptxas keeps a step's wgmma in flight while the next is
-    prepared: one wait per step, not one per wgmma (its serialisation)."""
+@pytest.mark.parametrize("fuse, tn", [(True, 128), (False, 128), (True, 32), (False, 64), (True, 16)])
+def test_gluon_tma_kernel_compiles_for_sm90(fuse, tn):
+    """The TMA kernel lowers for sm_90, at its 128-row x tiles and the tail tiles' widths: x tiles by TMA (no x
+    loads from global in the main loop), weights in 64-bit loads, the register A operand relabelled rather than
+    moved through shared memory (the only shared-memory loads are the epilogue's exchange), no spills, and ptxas
+    keeps a step's wgmma in flight while the next is prepared: one wait per step, not one per wgmma (its
+    serialisation)."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_tma as backend
@@ -279,7 +305,7 @@ def test_gluon_tma_kernel_compiles_for_sm90(fuse):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    cfg = backend.TMA_CFG
+    cfg = dict(backend.TMA_CFG, TN=tn)
     desc = backend.x_descriptor(torch.zeros(cfg["TN"], 4 * cfg["BKH"], dtype=torch.bfloat16), cfg)
     sig = {
         "x_desc": mangle_type(desc), "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16" if fuse else "*fp32",
@@ -293,7 +319,7 @@ def test_gluon_tma_kernel_compiles_for_sm90(fuse):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
     ptx, sass = k.asm["ptx"], k.asm["sass"]
     assert "cp.async.bulk.tensor.2d" in ptx, "x tiles by TMA"
-    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{tn}k16.f32.bf16.bf16" in ptx
     assert ptx.count("ld.global.v2.b32") >= 4, "weight bytes in 64-bit loads"
     assert "ld.global.v4" not in ptx, "x read by threads"
     assert ".local" not in ptx, "register spills"
@@ -445,7 +471,8 @@ def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
     and 64 tokens mma.sync <= SMALL_MMA_MAX_ROWS < Triton; at 300 and 700, over WGMMA_FROM_ROWS, mma.sync <=
     MMA_MAX_ROWS < wgmma <= WGMMA_MAX_ROWS < Triton, its gate/up tiles TALL_BLOCK_M rows tall (the threshold
     lowered to two rows an expert); with ``tma`` the TMA kernel instead of Triton at every size, TMA_FROM_ROWS
-    lowered to 0); a K the Gluon kernels do not serve goes to Triton; with no rows for the Gluon kernels (and
+    lowered to 0); each the same bits when x is read through ``row_index`` (token-major x); a K the Gluon
+    kernels do not serve goes to Triton (also through ``row_index``); with no rows for the Gluon kernels (and
     64-row tiles) every expert is in the Triton one, bitwise."""
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import triton as triton_backend
@@ -465,9 +492,15 @@ def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
     h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
     h32 = backend.mxfp4_grouped_gemm_gluon(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
     assert_rel_close(h32, h_ref, 1e-5, f"split gate/up, {t} tokens, skewed")
+    h_idx = backend.mxfp4_grouped_gemm_gluon(x, w13, s13, offsets, row_index=order // TOP_K, **kw,
+                                             out_dtype=torch.float32)  # fmt: skip
+    assert_bitwise(h_idx, h32, f"split gate/up, {t} tokens, x through row_index")
     yk = backend.mxfp4_grouped_gemm_gluon(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
     yk_ref = ref(h32[:, :2240], w2[:, :, :1120], s2[:, :, :70], offsets)
     assert_rel_close(yk, yk_ref.float(), 1e-2, f"gluon sorted, K = 2240 (Triton), {t} tokens")
+    hk = h32[:, :2240][torch.argsort(order)]  # pair-major: row r of the sorted layout is pair order[r]
+    yk_idx = backend.mxfp4_grouped_gemm_gluon(hk, w2[:, :, :1120], s2[:, :, :70], offsets, row_index=order)
+    assert_bitwise(yk_idx, yk, f"gluon sorted, K = 2240 (Triton), {t} tokens, through row_index")
     monkeypatch.setattr(backend, "WGMMA_FROM_ROWS", 1 << 30)
     monkeypatch.setattr(backend, "SMALL_MMA_MAX_ROWS", 0)  # every expert in the Triton kernel's 64-row tiles
     monkeypatch.setattr(backend, "TALL_ROWS_PER_EXPERT", None)
@@ -499,6 +532,9 @@ def test_gpu_sorted_tma(v41_experts, t):
             h = backend.tma_rows_into(expert_out(xs.shape[0], w13, True, dt, "cuda"), xs, w13, s13, offsets,
                                       min_rows=0, **kw)  # fmt: skip
             assert_rel_close(h, h_ref, tol, f"tma gate/up {dt}, {t} tokens, skew {skew}")
+        h_idx = backend.tma_rows_into(expert_out(xs.shape[0], w13, True, dt, "cuda"), x, w13, s13, offsets,
+                                      min_rows=0, row_index=order // TOP_K, **kw)  # fmt: skip
+        assert_bitwise(h_idx, h, f"tma gate/up, {t} tokens, skew {skew}, x through row_index")
         y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
         y = backend.tma_rows_into(expert_out(xs.shape[0], w2, False, torch.float32, "cuda"), h, w2, s2, offsets,
                                   min_rows=0)  # fmt: skip
@@ -506,6 +542,63 @@ def test_gpu_sorted_tma(v41_experts, t):
         y = backend.tma_rows_into(torch.zeros(xs.shape[0], 1000, device="cuda"), h, w2[:, :1000], s2[:, :1000],
                                   offsets, min_rows=0)  # fmt: skip
         assert_rel_close(y, y_ref[:, :1000], 1e-5, f"tma down, N = 1000, {t} tokens, skew {skew}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", [16, 32, 64])
+def test_gpu_sorted_tma_tails(v41_experts, tail):
+    """The TMA kernel with each expert's last 1 .. ``tail`` rows past a full 128-row tile in tiles of ``tail``
+    rows (``tma_rows_into(tail_rows=)``): experts of 1 .. 300 rows, some with tails in the list and some not,
+    gate/up fused and down, against the reference; rows of experts under ``min_rows`` stay unwritten."""
+    from deepinfer_kernels.ops.grouped_gemm.triton import expert_out
+    from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule_ref
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_tma as backend
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma and TMA: sm_90 only")
+    w13, s13, w2, s2 = v41_experts
+    ref = reference("mxfp4_grouped_gemm")
+    counts = torch.zeros(EXPERTS, dtype=torch.long)
+    picked = [1, 20, 127, 128, 129, 130, 143, 144, 145, 160, 161, 191, 192, 200, 250, 256, 257, 300]
+    counts[torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(tail))[: len(picked)]] = torch.tensor(picked)
+    offsets = torch.zeros(EXPERTS + 1, dtype=torch.long)
+    offsets[1:] = counts.cumsum(0)
+    offsets = offsets.cuda()
+    rows = int(counts.sum())
+    spec = backend.tma_tile_specs(21, tail)[1]
+    tails = expert_tile_schedule_ref(offsets, rows, *spec[:3], tail=spec.tail, tail_of=spec.tail_of)[0]
+    assert int((tails >= 0).sum()) == sum(1 for c in picked if c > 128 and 0 < c % 128 <= tail), "tail tiles"
+    g = torch.Generator(device="cuda").manual_seed(600 + tail)
+    xs = torch.randn(rows, HIDDEN, device="cuda", generator=g).bfloat16()
+    rs = torch.rand(rows, device="cuda", generator=g)
+    kw = dict(fuse_swiglu=True, swiglu_limit=LIMIT, row_scale=rs)
+    h_ref = ref(xs, w13, s13, offsets, **kw, out_dtype=torch.float32)
+    big = torch.repeat_interleave(counts >= 21, counts).cuda()  # rows of the experts the kernel serves
+    h = backend.tma_rows_into(torch.full((rows, INTER), -1.0, device="cuda"), xs, w13, s13, offsets, min_rows=21,
+                              tail_rows=tail, **kw)  # fmt: skip
+    assert_rel_close(h[big], h_ref[big], 1e-5, f"tma gate/up, tails of {tail}")
+    assert bool((h[~big] == -1).all()), "rows of experts under min_rows written"
+    h = h_ref.bfloat16()
+    y_ref = ref(h, w2, s2, offsets, out_dtype=torch.float32)
+    y = backend.tma_rows_into(expert_out(rows, w2, False, torch.float32, "cuda"), h, w2, s2, offsets, min_rows=0,
+                              tail_rows=tail)  # fmt: skip
+    assert_rel_close(y, y_ref, 1e-5, f"tma down, tails of {tail}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 2048])
+def test_gpu_moe_experts_read_x_through_the_sort(v41_experts, t, monkeypatch):
+    """The MoE's sorted layout (64 tokens: mma.sync and Triton tiles; 2048: every Gluon kernel and the TMA one
+    with its tails) gives the same bits with x read through the sort's row tokens as from a sorted copy."""
+    from deepinfer_kernels.ops import moe as moe_ops
+
+    w13, s13, w2, s2 = v41_experts
+    x, experts, weights = _tokens(t, seed=700 + t)
+    experts = (experts.double() ** 2 / EXPERTS).long()  # experts of every size class
+    w13q, w2q = moe_ops.Mxfp4Experts(w13, s13), moe_ops.Mxfp4Experts(w2, s2)
+    got = moe_experts(x, experts, weights, w13q, w2q, swiglu_limit=LIMIT)
+    monkeypatch.setattr(moe_ops, "MXFP4_X_BY_INDEX", False)
+    assert_bitwise(got, moe_experts(x, experts, weights, w13q, w2q, swiglu_limit=LIMIT), f"{t} tokens")
 
 
 @pytest.mark.gpu

@@ -191,6 +191,15 @@ MXFP4_GATHER_EXPERTS_PER_ROW = 10
 MXFP4_HIDDEN_BF16 = True
 
 
+# The sorted layout's gate/up GEMM reads x through the sort's row tokens (``mxfp4_grouped_gemm(row_index=)``)
+# instead of a sorted copy of x (False: ``index_select`` first; a switch for A/Bs): at 8K prefill tokens of V4.1
+# the copy wrote 0.5 GB a MoE layer that the TMA kernel's relabelling then read back. H100, session 37, V4.1 slice:
+# 8K prefill 89.6 / 89.7 -> 86.8 / 88.1 ms; decode batch 64 -77 us (one round), batch 256 +0.96 ms until the shared
+# expert went inline there (``layers.SHARED_INLINE_TOKENS``; then 14.29 against 14.50 ms), two rounds each
+# (``benchmarks/baselines/ab_row_index_shared_inline_h100_session37.log``).
+MXFP4_X_BY_INDEX = True
+
+
 def _hidden_dtype(op: str, device: torch.device) -> torch.dtype:
     """dtype of h (above): fp32 for the reference, which keeps it exact."""
     if MXFP4_HIDDEN_BF16 and registry.resolve(op, device) is not registry.reference(op):
@@ -223,9 +232,11 @@ def _moe_experts_mxfp4(x, experts, weights, w13: Mxfp4Experts, w2: Mxfp4Experts,
     # one sort gives the sorted rows' tokens and weights and the unpermute's inverse (at decode sizes one launch on
     # the GPU, for the argsort, gathers, searchsorted and scatter of moe_permute, weights[order] and the inverse)
     order, offsets, inverse, row_token, row_weight = moe_sort_rows(experts, weights, w13.packed.shape[0])
+    by_index = dict(row_index=row_token) if MXFP4_X_BY_INDEX else {}
     h = mxfp4_grouped_gemm(
-        x.index_select(0, row_token), w13.packed, w13.scale, offsets, fuse_swiglu=True, swiglu_limit=swiglu_limit,
-        row_scale=row_weight, out_dtype=_hidden_dtype("mxfp4_grouped_gemm", x.device),
+        x if by_index else x.index_select(0, row_token), w13.packed, w13.scale, offsets, **by_index,
+        fuse_swiglu=True, swiglu_limit=swiglu_limit, row_scale=row_weight,
+        out_dtype=_hidden_dtype("mxfp4_grouped_gemm", x.device),
     )  # fmt: skip
     y = mxfp4_grouped_gemm(h, w2.packed, w2.scale, offsets, out_dtype=f32)
     return moe_unpermute(y, order, t, None, out_dtype=x.dtype, inverse=inverse)

@@ -6,7 +6,8 @@ value times a power of two fits bf16) and multiply on the bf16 tensor cores with
 Two row layouts:
 
 * ``mxfp4_grouped_gemm`` (prefill, "contiguous"): rows sorted by expert (``moe_permute``), expert e owns rows
-  [expert_offsets[e], expert_offsets[e+1]); one launch for all experts;
+  [expert_offsets[e], expert_offsets[e+1]), read from x in that order or through ``row_index`` (the gate/up GEMM
+  reads the token-major input through the sort's row tokens);
 * ``mxfp4_grouped_gemm_gather`` (decode): each output row p names its expert ``row_expert[p]`` and optionally
   its input row ``row_index[p]`` (so the gate/up GEMM reads x[token] straight from the token-major input).
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows
+from deepinfer_kernels.ops.grouped_tiles import check_contiguous_rows, check_gather_rows, check_row_vector
 from deepinfer_kernels.ops.quant.formats import UE8M0_DTYPES
 from deepinfer_kernels.registry import dispatch
 
@@ -52,40 +53,49 @@ def mxfp4_grouped_gemm(
     w_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     *,
+    row_index: torch.Tensor | None = None,
     fuse_swiglu: bool = False,
     swiglu_limit: float | None = None,
     row_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Contiguous grouped GEMM: for every expert e and row r in [off[e], off[e+1]): y[r] = x[r] . W_e^T, where
-    W_e[n, k] = E2M1(code) * 2^(w_scale[e, n, k // 32] - 127) (``mxfp4_dequantize``), in fp32.
+    W_e[n, k] = E2M1(code) * 2^(w_scale[e, n, k // 32] - 127) (``mxfp4_dequantize``), in fp32; with
+    ``row_index``, x[row_index[r]] instead of x[r] (the gate/up GEMM reads the token-major input through the
+    sort's row tokens, without a sorted copy of it).
 
     Then, with ``fuse_swiglu``: h[r] = swiglu_clamp(y[r, :N/2], y[r, N/2:], swiglu_limit) (gate = first half of
     the rows of W, up = second half, as ``moe_experts``' w13); then h[r] *= row_scale[r] when given.
 
     Args:
         x: [R, K] bfloat16 (float16 / float32 accepted; GPU backends round the operand to bf16), rows sorted
-            by expert; K a multiple of 32.
+            by expert; K a multiple of 32. With ``row_index``: [R_in, K], any row order.
         w: [E, N, K/2] int8/uint8, element 2k in the low nibble of byte k (``mxfp4_quantize`` per expert).
         w_scale: [E, N, K/32] float8_e8m0fnu or uint8 (UE8M0 bytes).
         expert_offsets: [E + 1] integer, non-decreasing, off[0] = 0, off[E] = R (``moe_permute``). Not
             validated on the device (that would synchronise); rows outside [0, off[E]) are left unwritten.
+        row_index: [R] integer rows of x in [0, R_in) (not validated on the device), or None (R = x's rows).
         fuse_swiglu: apply the clamped SwiGLU (N even); swiglu_limit: its clamp (10.0 for V4.1) or None.
         row_scale: [R] floating point per-row factor (the routing weight of the row's (token, expert) pair).
         out_dtype: bfloat16 (default), float16 or float32.
 
     Returns:
-        [R, N] (or [R, N/2] with ``fuse_swiglu``) in ``out_dtype``. Rows are independent (batch-invariant
-        GPU backends use a tiling that does not depend on R or on the offsets).
+        [R, N] (or [R, N/2] with ``fuse_swiglu``) in ``out_dtype``, in sorted-row order. Rows are independent
+        (batch-invariant GPU backends use a tiling that does not depend on R or on the offsets).
     """
     op = "mxfp4_grouped_gemm"
     _check_weights(op, x, w, w_scale, fuse_swiglu)
-    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, x.shape[0])
+    if row_index is not None and row_index.dim() != 1:
+        raise ValueError(f"{op}: row_index must be integer [R], got {row_index.dtype}{tuple(row_index.shape)}")
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    check_row_vector(op, row_index, "row_index", rows, integer=True)
+    check_contiguous_rows(op, expert_offsets, w.shape[0], row_scale, rows)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    extra = {"row_index": row_index} if row_index is not None else {}  # a backend without it serves None
     return dispatch(
         op, x.device, x, w, w_scale, expert_offsets,
-        fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype,
+        fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale, out_dtype=out_dtype, **extra,
     )  # fmt: skip
 
 

@@ -48,7 +48,7 @@ from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedules
 from deepinfer_kernels.registry import register_backend
 
 from .gluon_common import expert_weight_rows, load_unpacked
-from .gluon_tma import tma_rows_into, tma_supported, tma_tile_spec
+from .gluon_tma import tma_rows_into, tma_supported, tma_tile_specs
 from .gluon_wgmma import wgmma_rows_into, wgmma_tile_spec
 from .triton import (
     grouped_rows_into,
@@ -110,8 +110,9 @@ def _expert_rows_kernel(
 ):  # fmt: skip
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
-    expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8); else p is a gathered
-    row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX, else p // RPI) in all 8 columns, column 0 stored."""
+    expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8; row r reads x[r], with
+    HAS_INDEX x[index_ptr[r]]); else p is a gathered row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX,
+    else p // RPI) in all 8 columns, column 0 stored."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -128,6 +129,8 @@ def _expert_rows_kernel(
             r0 = gl.load(r0_ptr + p).to(gl.int64)
             r1 = gl.load(r1_ptr + p).to(gl.int64)
             x_rows = gl.minimum(r0 + nx, r1 - 1)  # columns past the tile's rows repeat its last row (not stored)
+            if HAS_INDEX:
+                x_rows = gl.load(index_ptr + x_rows).to(gl.int64)
         else:
             src = p // RPI
             if HAS_INDEX:
@@ -201,6 +204,16 @@ TALL_BLOCK_M = 128
 # only calls of 64 rows an expert) cut batch 256 by 0.93-1.0 ms of 15.2 (the slice's skewed routers give experts
 # of 33-100 rows; Triton ran 3.6-3.9 ms of that step); TN 32 / 64 tiles instead of 128 were no better there.
 TMA_FROM_ROWS: int | None = 1024
+# In the TMA kernel's calls of at least TMA_TAIL_FROM_ROWS rows, each expert's 1 .. TMA_TAIL_ROWS rows past its
+# last full 128-row tile go to that kernel's tiles of TMA_TAIL_ROWS rows (``gluon_tma.tma_tile_specs``; a multiple
+# of 16, None: off): a tile unpacks the expert's weights whatever its rows, so an expert's last few rows cost nearly
+# a full tile. H100, session 37 (``.gpu``-style CUDA events after a 256 MB flush, gate/up + down ms, tails None /
+# 16 / 32 / 64): 8192 tokens x 6 over 384 experts, uniform 12.82 / 11.69 / 11.42 / 12.11 (185 experts with a tail of
+# at most 32), skewed 10.58 / 10.54 / 10.42 / 10.40, heavy-tailed 12.16 / 12.20 / 12.36 / 13.15; the V4.1 slice's
+# 8K prefill (skewed random routers) unchanged within noise (86.7 / 86.9 ms, three rounds). Decode calls have no
+# expert past 128 rows to split and paid the tail list's launch: batch 256 +133 us (three rounds), hence the bound.
+TMA_TAIL_ROWS: int | None = 32
+TMA_TAIL_FROM_ROWS = 8192
 
 
 def _cols(cfg: dict, fuse_swiglu: bool) -> int:
@@ -260,26 +273,29 @@ def mxfp4_grouped_gemm_gather_gluon(
 
 
 def mxfp4_grouped_gemm_gluon(
-    x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
-):
+    x, w, w_scale, expert_offsets, *, row_index=None, fuse_swiglu=False, swiglu_limit=None, row_scale=None,
+    out_dtype=torch.bfloat16,
+):  # fmt: skip
     """Sorted (contiguous) layout: the experts split by row count between this kernel's tiles of TILE_ROWS rows,
     the wgmma kernel's (sm_90, calls of WGMMA_FROM_ROWS rows or more) and, for the larger experts, the TMA kernel's
     (sm_90, calls of TMA_FROM_ROWS rows or more, K a multiple of 256) or the Triton kernel's
     (``grouped_rows_into``; taller tiles for gate/up calls of TALL_ROWS_PER_EXPERT rows an expert or more), as the
-    constants above say; K not a multiple of 2 * BKH: all in Triton."""
+    constants above say; K not a multiple of 2 * BKH: all in Triton. Every kernel reads x through ``row_index``
+    when given (the TMA kernel's relabelled copy is gathered through it)."""
     cfg = SORTED_CFG
-    rows = x.shape[0]
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
     if _fallback(x.shape[1], cfg):
         return mxfp4_grouped_gemm_triton(
-            x, w, w_scale, expert_offsets, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale,
-            out_dtype=out_dtype,
+            x, w, w_scale, expert_offsets, row_index=row_index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
+            row_scale=row_scale, out_dtype=out_dtype,
         )  # fmt: skip
     out = expert_out(rows, w, fuse_swiglu, out_dtype, x.device)
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
     xs = x.to(torch.bfloat16).contiguous()  # the MMA operand is bf16 (fp16 / fp32 inputs are rounded)
-    epi = dict(fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale)
+    index = row_index.contiguous() if row_index is not None else None
+    epi = dict(row_index=index, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, row_scale=row_scale)
     large = hopper(x.device) and rows >= WGMMA_FROM_ROWS
     wgmma = large and WGMMA_MAX_ROWS > MMA_MAX_ROWS
     mma_max = MMA_MAX_ROWS if wgmma else SMALL_MMA_MAX_ROWS
@@ -294,21 +310,23 @@ def mxfp4_grouped_gemm_gluon(
         specs.append((TILE_ROWS, 0, mma_max))
     if wgmma:
         specs.append(wgmma_tile_spec(mma_max + 1, WGMMA_MAX_ROWS))
+    tail_rows = TMA_TAIL_ROWS if rows >= TMA_TAIL_FROM_ROWS else None
     if rest:
-        specs.append(tma_tile_spec(rest_from) if tma else grouped_tile_spec(rest_from, block_m))
+        specs += tma_tile_specs(rest_from, tail_rows) if tma else [grouped_tile_spec(rest_from, block_m)]
     lists = iter(expert_tile_schedules(expert_offsets, rows, specs))
     if mma_max > 0:
         tile_e, tile_r0, tile_r1, slots = next(lists)
         grid = (slots, triton.cdiv(n_out, _cols(cfg, fuse_swiglu)))
-        _launch(grid, xs, w, w_scale, out, row_scale, tile_e, tile_e, tile_r0, tile_r1, n_out, sorted_rows=True,
-                fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
+        _launch(grid, xs, w, w_scale, out, row_scale, tile_e, tile_e if index is None else index, tile_r0, tile_r1,
+                n_out, sorted_rows=True, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit, cfg=cfg)  # fmt: skip
     if wgmma:
         wgmma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=mma_max + 1, max_rows=WGMMA_MAX_ROWS,
                         tiles=next(lists), **epi)  # fmt: skip
     if not rest:
         return out
     if tma:
-        return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, tiles=next(lists), **epi)
+        return tma_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, tail_rows=tail_rows,
+                             tiles=list(lists), **epi)  # fmt: skip
     return grouped_rows_into(out, xs, w, w_scale, expert_offsets, min_rows=rest_from, block_m=block_m,
                              tiles=next(lists), **epi)  # fmt: skip
 

@@ -14,7 +14,10 @@ kernel instead of 1.15x).
   bytes are 16 logical columns only after relabelling K within each 32 packed bytes (``gluon_common.relabel_k``)
   and splitting the even (low nibble) from the odd (high nibble) columns. The decode kernel does that in
   registers each step; here a copy of x laid out that way lets TMA load the B tiles as they are, so that no
-  thread touches x in the main loop.
+  thread touches x in the main loop. Given the sort's row index, the copy gathers the token-major x through it,
+  so the sorted copy of x is never written.
+* 128-row x tiles, and for each expert's last 1 .. ``tail_rows`` rows past a full tile a second launch of tiles of
+  that many rows (``tma_tile_specs``): a tile unpacks its 64 weight rows whatever its x rows.
 * A ring of STAGES x tiles (even and odd halves) with an mbarrier each: step i's tiles were requested
   STAGES - 1 steps earlier; a stage is refilled once every warp has retired the wgmma that read it.
 * wgmma asynchronous one step deep: step i's unpacking runs while step i - 1's wgmma is in flight. The loop is
@@ -42,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
-from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
+from deepinfer_kernels.ops.grouped_tiles import TileSpec, expert_tile_schedules, tail_split
 
 from .gluon_common import (
     expert_weight_rows,
@@ -64,26 +67,34 @@ def relabel_x_ref(xs: torch.Tensor, bkh: int) -> torch.Tensor:
 
 
 @triton.jit
-def _relabel_kernel(x_ptr, y_ptr, R, K, BR: tl.constexpr, BKH: tl.constexpr, PDL: tl.constexpr = False):
-    """y[rows, chunk] = x[rows, chunk] relabelled (``relabel_x_ref``): BR rows x one chunk of 2 * BKH columns a
-    program, loaded and stored contiguously, permuted in registers."""
+def _relabel_kernel(x_ptr, y_ptr, index_ptr, R, K, BR: tl.constexpr, BKH: tl.constexpr, HAS_INDEX: tl.constexpr,
+                    PDL: tl.constexpr = False):  # fmt: skip
+    """y[rows, chunk] = x[rows, chunk] (HAS_INDEX: x[index[rows], chunk]) relabelled (``relabel_x_ref``): BR rows
+    x one chunk of 2 * BKH columns a program, loaded and stored contiguously, permuted in registers."""
     pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.program_id(1).to(tl.int64) * (2 * BKH) + tl.arange(0, 2 * BKH)
-    ptrs = rows[:, None] * K + cols[None, :]
     ok = (rows < R)[:, None]
-    v = tl.reshape(tl.load(x_ptr + ptrs, mask=ok), (BR, BKH // 32, 4, 4, 2, 2))  # (row, c, q, a, b, nibble)
+    src = rows
+    if HAS_INDEX:
+        src = tl.load(index_ptr + rows, mask=rows < R, other=0).to(tl.int64)
+    v = tl.load(x_ptr + src[:, None] * K + cols[None, :], mask=ok)
+    v = tl.reshape(v, (BR, BKH // 32, 4, 4, 2, 2))  # (row, c, q, a, b, nibble)
     v = tl.reshape(tl.permute(v, (0, 5, 1, 3, 2, 4)), (BR, 2 * BKH))
-    tl.store(y_ptr + ptrs, v, mask=ok)
+    tl.store(y_ptr + rows[:, None] * K + cols[None, :], v, mask=ok)
 
 
-def relabel_x(xs: torch.Tensor, bkh: int) -> torch.Tensor:
-    """``relabel_x_ref`` in one launch: [R, K] contiguous, K a multiple of 2 * bkh, bkh a multiple of 32."""
-    r, k = xs.shape
-    y = torch.empty_like(xs)
+def relabel_x(xs: torch.Tensor, bkh: int, row_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``relabel_x_ref`` in one launch: [R, K] contiguous, K a multiple of 2 * bkh, bkh a multiple of 32; with
+    ``row_index`` ([R] int), of xs[row_index] (xs [R_in, K]) without that copy."""
+    r = xs.shape[0] if row_index is None else row_index.shape[0]
+    k = xs.shape[1]
+    y = xs.new_empty(r, k)
     if r:
         br = 32
-        _relabel_kernel[(triton.cdiv(r, br), k // (2 * bkh))](xs, y, r, k, BR=br, BKH=bkh, num_warps=4,
+        index = row_index.contiguous() if row_index is not None else xs  # dummy pointer when absent
+        _relabel_kernel[(triton.cdiv(r, br), k // (2 * bkh))](xs, y, index, r, k, BR=br, BKH=bkh,
+                                                               HAS_INDEX=row_index is not None, num_warps=4,
                                                                **pdl_options(xs.device))  # fmt: skip
     return y
 
@@ -199,29 +210,44 @@ def tma_supported(k: int) -> bool:
     return k > 0 and k % (4 * TMA_CFG["BKH"]) == 0
 
 
-def tma_tile_spec(min_rows: int) -> tuple[int, int, None]:
-    """The (BLOCK_M, min_rows, max_rows) of ``tma_rows_into``'s tile list (``expert_tile_schedules``)."""
-    return (TMA_CFG["TN"], min_rows, None)
+def tma_tile_specs(min_rows: int, tail_rows: int | None = None) -> list[TileSpec]:
+    """``tma_rows_into``'s tile lists (``expert_tile_schedules``): TN-row tiles of the experts with at least
+    ``min_rows`` rows and, with ``tail_rows`` (a multiple of 16 below TN), each such expert's 1 .. tail_rows rows
+    past its last full tile in a second list of tail_rows-row tiles (``grouped_tiles.tail_split``)."""
+    body = TileSpec(TMA_CFG["TN"], min_rows)
+    if tail_rows is None:
+        return [body]
+    if tail_rows % 16 or not 0 < tail_rows < body.block_m:
+        raise ValueError(f"tma_tile_specs: tail_rows must be a multiple of 16 below {body.block_m}, got {tail_rows}")
+    return list(tail_split(body, tail_rows))
 
 
-def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, fuse_swiglu=False, swiglu_limit=None,
-                  row_scale=None, tiles=None):  # fmt: skip
+def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, tail_rows=None, row_index=None,
+                  fuse_swiglu=False, swiglu_limit=None, row_scale=None, tiles=None):  # fmt: skip
     """The sorted layout's rows of the experts with at least ``min_rows`` rows, written into ``out`` ([R, N] or
-    [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, ``tma_supported(K)``. ``tiles``: the tile list
-    of ``tma_tile_spec(min_rows)``, when the caller built it already."""
-    cfg = TMA_CFG
-    rows, k = xs.shape
+    [R, N/2]; other rows untouched): one launch per tile list of ``tma_tile_specs(min_rows, tail_rows)`` (with
+    ``tail_rows``, the tails in x tiles of that many rows: the weights are unpacked once a tile whatever its rows,
+    so a 128-row tile for an expert's last few rows costs nearly a full one). xs: [R, K] bf16 contiguous,
+    ``tma_supported(K)``; or, with ``row_index`` ([R] int), [R_in, K] read through it (by ``relabel_x``, whose
+    copy the kernel reads). ``tiles``: those lists, when the caller built them already."""
+    rows, k = out.shape[0], xs.shape[1]
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
-    x_rel = relabel_x(xs, cfg["BKH"])
+    specs = tma_tile_specs(min_rows, tail_rows)
+    lists = tiles or expert_tile_schedules(expert_offsets, rows, specs)
+    x_rel = relabel_x(xs, TMA_CFG["BKH"], row_index)
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
-    tile_e, r0, r1, slots = tiles or expert_tile_schedule(expert_offsets, rows, *tma_tile_spec(min_rows))
-    cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
-    _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
-        x_descriptor(x_rel, cfg), w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs,
-        tile_e, r0, r1, n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        num_warps=cfg["num_warps"], **tma_meta(cfg), **pdl_options(xs.device),
-    )  # fmt: skip
+    w8, s8 = w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8)
+    cols = TMA_CFG["BLOCK_N"] // 2 if fuse_swiglu else TMA_CFG["BLOCK_N"]
+    for spec, (tile_e, r0, r1, slots) in zip(specs, lists, strict=True):
+        if slots == 0:  # a tail list of a call without an expert past one tile
+            continue
+        cfg = dict(TMA_CFG, TN=spec.block_m)
+        _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
+            x_descriptor(x_rel, cfg), w8, s8, out, rs, tile_e, r0, r1, n_out, k,
+            float(swiglu_limit) if swiglu_limit is not None else 0.0,
+            FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
+            num_warps=cfg["num_warps"], **tma_meta(cfg), **pdl_options(xs.device),
+        )  # fmt: skip
     return out

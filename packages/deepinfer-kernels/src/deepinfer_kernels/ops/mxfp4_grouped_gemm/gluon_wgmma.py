@@ -47,14 +47,15 @@ from .gluon_common import expert_weight_rows, load_unpacked, relabel_k, store_sw
 
 @gluon.jit
 def _expert_rows_wgmma_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
-    FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, index_ptr, N_OUT, K, limit,
+    FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr, HAS_INDEX: gl.constexpr,
     TN: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, X_SL: gl.constexpr, NUM_WARPS: gl.constexpr,
     PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (slot p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows, interleaved by 8)
     of tile p's expert against its rows [r0, r1) (at most TN; ``expert_tile_schedule``, expert -1: empty slot).
-    x: [R, K] bf16; w: [E, N, K / 2] packed E2M1; s: [E, N, K / 32] UE8M0 bytes; out: [R, N_OUT]."""
+    x: [R, K] bf16 (HAS_INDEX: row r reads x[index[r]]); w: [E, N, K / 2] packed E2M1; s: [E, N, K / 32] UE8M0
+    bytes; out: [R, N_OUT]."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     p = gl.program_id(0).to(gl.int64)
     pid_n = gl.program_id(1)
@@ -70,6 +71,8 @@ def _expert_rows_wgmma_kernel(
         r1 = gl.load(r1_ptr + p).to(gl.int64)
         KH = K // 2
         rows = gl.minimum(r0 + gl.arange(0, TN, layout=gl.SliceLayout(1, XL)), r1 - 1)  # past r1: never stored
+        if HAS_INDEX:
+            rows = gl.load(index_ptr + rows).to(gl.int64)
         x_tile = x_ptr + rows[:, None] * K + gl.arange(0, 2 * BKH, layout=gl.SliceLayout(0, XL))[None, :]
         j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
         n0, w_rows, s_rows = expert_weight_rows(w_ptr, s_ptr, e, j, pid_n, N_OUT, K, BLOCK_N, FUSE)
@@ -111,13 +114,14 @@ def wgmma_tile_spec(min_rows: int, max_rows: int) -> tuple[int, int, int]:
     return (WGMMA_CFG["TN"], min_rows, max_rows)
 
 
-def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, fuse_swiglu=False,
+def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, row_index=None, fuse_swiglu=False,
                     swiglu_limit=None, row_scale=None, tiles=None):  # fmt: skip
     """The sorted layout's rows of the experts with min_rows <= rows <= max_rows (bounds inclusive), written into
-    ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, K % (2 * BKH) == 0. ``tiles``:
-    the tile list of ``wgmma_tile_spec(min_rows, max_rows)``, when the caller built it already."""
+    ``out`` ([R, N] or [R, N/2]; other rows untouched). xs: [R, K] bf16 contiguous, K % (2 * BKH) == 0; or, with
+    ``row_index`` ([R] int, contiguous), [R_in, K] read through it. ``tiles``: the tile list of
+    ``wgmma_tile_spec(min_rows, max_rows)``, when the caller built it already."""
     cfg = WGMMA_CFG
-    rows, k = xs.shape
+    rows, k = out.shape[0], xs.shape[1]
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return out
@@ -126,8 +130,9 @@ def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, 
     cols = cfg["BLOCK_N"] // 2 if fuse_swiglu else cfg["BLOCK_N"]
     _expert_rows_wgmma_kernel[(slots, triton.cdiv(n_out, cols))](
         xs, w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8), out, rs, tile_e, r0, r1,
-        n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        row_index if row_index is not None else tile_e, n_out, k,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        num_warps=cfg["num_warps"], **wgmma_meta(cfg), **pdl_options(xs.device),
+        HAS_INDEX=row_index is not None, num_warps=cfg["num_warps"], **wgmma_meta(cfg), **pdl_options(xs.device),
     )  # fmt: skip
     return out

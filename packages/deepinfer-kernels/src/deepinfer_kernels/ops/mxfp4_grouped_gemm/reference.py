@@ -29,8 +29,11 @@ def _expert_rows(x32, w, w_scale, e, rows, fuse_swiglu, swiglu_limit, row_scale)
 
 @register_reference("mxfp4_grouped_gemm")
 def mxfp4_grouped_gemm_ref(
-    x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
-):
+    x, w, w_scale, expert_offsets, *, row_index=None, fuse_swiglu=False, swiglu_limit=None, row_scale=None,
+    out_dtype=torch.bfloat16,
+):  # fmt: skip
+    if row_index is not None:
+        x = x.index_select(0, row_index.long())
     n_out = w.shape[1] // 2 if fuse_swiglu else w.shape[1]
     out = torch.zeros(x.shape[0], n_out, dtype=torch.float32, device=x.device)
     x32 = x.float()

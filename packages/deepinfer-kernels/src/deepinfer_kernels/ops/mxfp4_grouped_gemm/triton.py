@@ -115,12 +115,14 @@ def _rows_gemm(
 
 @triton.jit
 def _grouped_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+    x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, index_ptr,
     N_OUT, K, limit,
-    FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr,
+    FUSE: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RS: tl.constexpr, HAS_INDEX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """Program (pid_n, tile): output columns of one BLOCK_M-row tile of the sorted rows; row r reads x[r] (HAS_INDEX:
+    x[index[r]])."""
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
@@ -130,11 +132,15 @@ def _grouped_kernel(
         r1 = tl.load(tile_r1_ptr + tile)
         rm = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         m_ok = rm < r1
+        in_rows = rm
+        if HAS_INDEX:
+            in_rows = tl.load(index_ptr + rm, mask=m_ok, other=0).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N_OUT
         acc_g, acc_u = _rows_gemm(
-            x_ptr, w_ptr, s_ptr, e.to(tl.int64), rm, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE
-        )
+            x_ptr, w_ptr, s_ptr, e.to(tl.int64), in_rows, m_ok, rn, n_ok, N_OUT, K, FUSE, BLOCK_M, BLOCK_N, BLOCK_K,
+            EMULATE,
+        )  # fmt: skip
         rs = 1.0
         if HAS_RS:
             rs = tl.load(rs_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)[:, None]
@@ -199,12 +205,13 @@ def _prep(x, w, w_scale, fuse_swiglu, row_scale):
 
 
 def mxfp4_grouped_gemm_triton(
-    x, w, w_scale, expert_offsets, *, fuse_swiglu=False, swiglu_limit=None, row_scale=None, out_dtype=torch.bfloat16
-):
+    x, w, w_scale, expert_offsets, *, row_index=None, fuse_swiglu=False, swiglu_limit=None, row_scale=None,
+    out_dtype=torch.bfloat16,
+):  # fmt: skip
     """Contiguous layout (see module docstring)."""
-    out = expert_out(x.shape[0], w, fuse_swiglu, out_dtype, x.device)
-    return grouped_rows_into(out, x, w, w_scale, expert_offsets, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
-                             row_scale=row_scale)  # fmt: skip
+    out = expert_out(x.shape[0] if row_index is None else row_index.shape[0], w, fuse_swiglu, out_dtype, x.device)
+    return grouped_rows_into(out, x, w, w_scale, expert_offsets, row_index=row_index, fuse_swiglu=fuse_swiglu,
+                             swiglu_limit=swiglu_limit, row_scale=row_scale)  # fmt: skip
 
 
 def grouped_tile_spec(min_rows: int = 0, block_m: int | None = None) -> tuple[int, int, None]:
@@ -213,15 +220,15 @@ def grouped_tile_spec(min_rows: int = 0, block_m: int | None = None) -> tuple[in
 
 
 def grouped_rows_into(
-    out, x, w, w_scale, expert_offsets, *, min_rows=0, block_m=None, fuse_swiglu=False, swiglu_limit=None,
-    row_scale=None, tiles=None,
+    out, x, w, w_scale, expert_offsets, *, row_index=None, min_rows=0, block_m=None, fuse_swiglu=False,
+    swiglu_limit=None, row_scale=None, tiles=None,
 ):  # fmt: skip
     """The contiguous layout's rows of the experts that have at least ``min_rows`` rows, written into ``out`` ([R, N]
     or [R, N/2]; other rows untouched): the Gluon backend leaves those experts to these tiles of ``block_m`` rows
-    (None: GROUPED_CFG's). ``tiles``: the tile list of ``grouped_tile_spec(min_rows, block_m)``, when the caller
-    built it already."""
+    (None: GROUPED_CFG's). Row r reads x[r], or x[row_index[r]] ([R]). ``tiles``: the tile list of
+    ``grouped_tile_spec(min_rows, block_m)``, when the caller built it already."""
     n_out, xs, wb, sb, rs = _prep(x, w, w_scale, fuse_swiglu, row_scale)
-    rows, k = x.shape
+    rows, k = out.shape[0], x.shape[1]
     if rows == 0 or n_out == 0:
         return out
     cfg = GROUPED_CFG
@@ -230,11 +237,12 @@ def grouped_rows_into(
     bn = cfg["BLOCK_N_SWIGLU"] if fuse_swiglu else cfg["BLOCK_N"]
     tile_e, tile_r0, tile_r1, slots = tiles or expert_tile_schedule(expert_offsets, rows, *spec)
     grid = (triton.cdiv(n_out, bn), slots)
+    index = row_index.contiguous() if row_index is not None else tile_e  # dummy pointer when absent
     _grouped_kernel[grid](
-        xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, n_out, k,
+        xs, wb, sb, out, rs, tile_e, tile_r0, tile_r1, index, n_out, k,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EMULATE=interpreting(),
+        HAS_INDEX=row_index is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EMULATE=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(xs.device),
     )  # fmt: skip
     return out
