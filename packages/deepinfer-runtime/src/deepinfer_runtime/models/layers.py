@@ -274,14 +274,15 @@ def attention_rotated_back(q, kv, indices, sinks, scale, positions, inv_freq) ->
 
 
 # Token counts (inclusive ranges) at which a MoE sublayer with MXFP4 experts runs its shared expert in order on the
-# main path, before the router, instead of on the "shared" side stream. H100, V4.1 slice (``--quant fp8+fp4``, 4K,
-# pipelined ms, same-lease rounds in either order, session 36; ``ab_shared_inline_h100_session36.log``), inline
-# against the side stream: batch 1 -86 / -89 us, 8 -193 / +132 / +101, 64 -351 / -364 / -366, 256 +120 / +62. At
-# batch 64 the concurrent shared expert slowed the routed gate/up GEMM (the 8-row ``mma.sync`` kernel) from 3.97 to
-# 4.57 ms a step over 8 layers (``profile_step.py --timeline``; with DEEPINFER_SIDE_STREAMS=0 it ran 3.96), more
-# than the overlap saved; why that kernel slows is not understood. Only the four batches were measured: the range
-# bounds between them are guesses, and V4 (same code) was not measured.
-SHARED_INLINE_TOKENS: tuple[tuple[int, int], ...] = ((1, 1), (33, 128))
+# main path, before the router, instead of on the "shared" side stream: a shared expert running beside the routed
+# gate/up GEMM slows that GEMM by more than the overlap saves (session 36, batch 64: the 8-row ``mma.sync`` kernel
+# 3.97 -> 4.57 ms a step over 8 layers, ``profile_step.py --timeline``; why is not understood). H100, V4.1 slice
+# (``--quant fp8+fp4``, 4K, pipelined ms, same-lease rounds), inline against the side stream, us: session 36 batch 1
+# -86 / -89; session 37 (x read through the sort's row index, ``moe.MXFP4_X_BY_INDEX``, which moved the overlap;
+# ``ab_row_index_shared_inline_h100_session37.log``, two rounds each) batch 8 +102, 16 +141 (side stream), 32 -313,
+# 64 -238, 128 -124, 256 -1159 (inline); V4 slice batch 256 -248 us against session 36's ranges. Batches 2-7 and
+# 17-31 were not measured.
+SHARED_INLINE_TOKENS: tuple[tuple[int, int], ...] = ((1, 1), (32, 256))
 
 
 def shared_expert_inline(tokens: int, experts: nn.Module) -> bool:
