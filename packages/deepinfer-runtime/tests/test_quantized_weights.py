@@ -69,6 +69,28 @@ def test_project_mixes_fp8_and_plain_linears():
     assert d.dtype == f32 and torch.equal(d, linear(x, lins[0].weight, out_dtype=f32))
 
 
+def test_project_quantises_x_once_per_fp8_block(monkeypatch):
+    """FP8 Linears of one block size in one ``project`` call (a decode step's wq_a and wkv) share one activation
+    quantisation of x, and each output is its own forward's, bitwise."""
+    from deepinfer_runtime.models import layers
+
+    torch.manual_seed(1)
+    lins = [Linear(256, n, torch.bfloat16) for n in (64, 32, 48, 16)]
+    for m in lins:
+        m.weight.data.normal_(0, 0.05)
+    for m, block in zip(lins, (128, 128, 32)):
+        m.quantize_fp8_(block)
+    x = torch.randn(2, 3, 256).to(torch.bfloat16)
+    want = [m(x) for m in lins]
+    calls = []
+    real = layers.act_quant_fp8
+    monkeypatch.setattr(layers, "act_quant_fp8", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    got = project(x, lins, [None] * 4)
+    assert sorted(calls) == [32, 128], "one quantisation per block size"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and torch.equal(g, w), f"projection {i}"
+
+
 def test_fp8_linear_refuses_a_k_not_multiple_of_the_block():
     with pytest.raises(ValueError, match="multiple"):
         Linear(48, 8, torch.float32).quantize_fp8_(32)

@@ -92,20 +92,35 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is None:
             return linear(x, self.weight)
+        return self.from_quantized(x, self.quantize_input(x))
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 Linear's activation quantisation of x [..., in]: (e4m3 [rows, in], UE8M0 scales [rows, in /
+        block]); FP8 Linears of one block size reading the same x can share it (``project``)."""
         rows = x.reshape(-1, x.shape[-1])
         # UE8M0 activation scales: the same powers of two in a quarter of the bytes, and a dtype fp8_gemm_nt can
         # trust to be powers of two (its bf16 routes dequantise exactly only then)
-        a, a_scale = act_quant_fp8(rows, self.block, scale_dtype=torch.float8_e8m0fnu)
+        return act_quant_fp8(rows, self.block, scale_dtype=torch.float8_e8m0fnu)
+
+    def from_quantized(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """This FP8 Linear of x from ``quantize_input(x)``: [..., out] in x's dtype."""
+        a, a_scale = quantized
         y = fp8_gemm_nt(a, a_scale, self.qweight, self.scale, self.block, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def project(x: torch.Tensor, linears: list[Linear], out_dtypes: list[torch.dtype | None]) -> list[torch.Tensor]:
     """x [..., K] through several ``Linear`` of the same input, each ``linear(x, weight, out_dtype)`` (None: x's
-    dtype; FP8 Linears asked for x's dtype run their own GEMM): the plain weights in one ``linear_many`` call,
-    which at decode sizes streams them all in one launch."""
+    dtype; FP8 Linears asked for x's dtype run their own GEMM, those of one block size on one quantisation of x):
+    the plain weights in one ``linear_many`` call, which at decode sizes streams them all in one launch."""
     plain = [i for i, (m, dt) in enumerate(zip(linears, out_dtypes)) if m.block is None or dt is not None]
-    outs: list[torch.Tensor | None] = [None if i in plain else m(x) for i, m in enumerate(linears)]
+    outs: list[torch.Tensor | None] = [None] * len(linears)
+    quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> act_quant_fp8 of x
+    for i, m in enumerate(linears):
+        if i not in plain:
+            if m.block not in quantized:
+                quantized[m.block] = m.quantize_input(x)
+            outs[i] = m.from_quantized(x, quantized[m.block])
     if plain:
         for i, y in zip(plain, linear_many(x, [linears[i].weight for i in plain], [out_dtypes[i] for i in plain])):
             outs[i] = y
