@@ -514,7 +514,8 @@ def test_gpu_sorted_gluon_split(v41_experts, t, tma, monkeypatch):
 def test_gpu_sorted_tma(v41_experts, t):
     """The TMA kernel (sm_90) alone on every expert: uniform routing (2048 tokens: ~32 rows an expert, some over
     one 128-row tile) and skewed (an expert of hundreds of rows: several tiles; others of one or none), gate/up
-    with the fused epilogue in bf16 and fp32, down in fp32; N not a multiple of the tile; against the reference."""
+    with the fused epilogue in bf16 and fp32, down in fp32; N not a multiple of the tile; against the reference;
+    gate/up bitwise the same with token-major x read through the sort's row index (the relabelling gathers)."""
     from deepinfer_kernels.ops.grouped_gemm.triton import expert_out
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_tma as backend
 
