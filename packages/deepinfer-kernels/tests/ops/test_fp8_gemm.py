@@ -234,15 +234,18 @@ def test_gpu_registry_choice():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("step_k", [128, 256])
 @pytest.mark.parametrize("shape", V41_SHAPES)
-def test_gpu_gluon_decode_sizes(shape, monkeypatch):
+def test_gpu_gluon_decode_sizes(shape, step_k, monkeypatch):
     """The Gluon MXFP8 decode kernel against the reference at 1, 5, 8 and 16 rows (fp16 MMA of exact FP8 values,
     each K block's partial scaled in fp32: fp32 output within 1e-5), UE8M0 and float32 weight scales, N not a
-    multiple of the 64-row tile, rows bitwise the same alone and among 16 (its tiling ignores M); with the bf16
-    route on (BF16_MAX_M 256), 17 rows through it, 257 rows and block 128 through Triton (bitwise)."""
+    multiple of the 64-row tile, rows bitwise the same alone and among 16 (its tiling ignores M), steps of 128 and
+    of 256 (``gluon.STEP_K``, 128 where K is no multiple of it); with the bf16 route on (BF16_MAX_M 256), 17 rows
+    through it, 257 rows and block 128 through Triton (bitwise)."""
     from deepinfer_kernels.ops.fp8_gemm import gluon
     from deepinfer_kernels.ops.fp8_gemm.triton_bf16 import fp8_gemm_nt_triton_bf16
 
+    monkeypatch.setattr(gluon, "STEP_K", step_k)
     monkeypatch.setattr(gluon, "BF16_MAX_M", 256)
     monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", None)
 
@@ -274,10 +277,13 @@ def test_gpu_gluon_decode_sizes(shape, monkeypatch):
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
-@pytest.mark.parametrize("block_scale", ["ue8m0", "float"])
-def test_gluon_kernel_compiles_for_sm90(block_scale):
-    """The decode kernel lowers for sm_90: FP8 weights and activations in 64-bit loads, converted by
-    ``cvt.rn.f16x2.e4m3x2`` into fp16 ``mma.sync``, no shared memory, no spills."""
+@pytest.mark.parametrize("block_scale,split,bk", [("ue8m0", 1, 128), ("float", 1, 128), ("ue8m0", 8, 128),
+                                                  ("ue8m0", 8, 256)])  # fmt: skip
+def test_gluon_kernel_compiles_for_sm90(block_scale, split, bk):
+    """The decode kernel lowers for sm_90: FP8 weights and activations in 64-bit loads, a step's loads (4 or 8 K
+    blocks) before its first MMA, converted by ``cvt.rn.f16x2.e4m3x2`` into fp16 ``mma.sync``, no spills; split
+    along K, its tile's last program adds the parts (one acq_rel arrival a program, L2 loads of the parts), with
+    no second launch."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
     from deepinfer_kernels.ops.fp8_gemm import gluon
@@ -286,20 +292,29 @@ def test_gluon_kernel_compiles_for_sm90(block_scale):
 
     sig = {
         "a_ptr": "*fp8e4nv", "as_ptr": "*u8" if block_scale == "ue8m0" else "*fp32", "b_ptr": "*fp8e4nv",
-        "bs_ptr": "*u8" if block_scale == "ue8m0" else "*fp32", "c_ptr": "*bf16",
+        "bs_ptr": "*u8" if block_scale == "ue8m0" else "*fp32", "c_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
     }  # fmt: skip
     e8m0 = block_scale == "ue8m0"  # the model's scales: UE8M0 on both sides
-    meta = dict(A_E8M0=e8m0, B_E8M0=e8m0, BLOCK_N=gluon.BLOCK_N, NUM_WARPS=gluon.NUM_WARPS)
+    meta = dict(A_E8M0=e8m0, B_E8M0=e8m0, BLOCK_N=gluon.BLOCK_N, NUM_WARPS=gluon.NUM_WARPS, SPLIT=split,
+                SUM_IN_KERNEL=split > 1, BK=bk)  # fmt: skip
     sig.update(dict.fromkeys(meta, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}  # as a launch specialises K % 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)}  # as a launch specialises K % 16
     src = GluonASTSource(fn=gluon._fp8_rows_kernel, signature=sig, constexprs=meta, attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gluon.NUM_WARPS})
     ptx = kern.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx
-    assert ptx.count("ld.global.v2.b32") + ptx.count("ld.global.b64") >= 12, "FP8 bytes in 64-bit loads"
-    assert ".local" not in ptx and kern.metadata.shared == 0
+    wide = [i for i, line in enumerate(ptx.splitlines()) if "ld.global.v2.b32" in line or "ld.global.b64" in line]
+    first_mma = next(i for i, line in enumerate(ptx.splitlines()) if "mma.sync" in line)
+    assert len(wide) >= 12 * bk // 128, "FP8 bytes in 64-bit loads"
+    assert sum(i < first_mma for i in wide) >= 12 * bk // 128, "a step's loads all issued before its first MMA"
+    assert ".local" not in ptx
+    if split == 1:
+        assert "atom" not in ptx and kern.metadata.shared == 0
+    else:
+        assert len(re.findall(r"atom\.global\.(gpu\.)?acq_rel(\.gpu)?\.add", ptx)) == 1, "one arrival a program"
+        assert ".cg." in ptx, "the parts read from L2"
 
 
 @pytest.mark.gpu
@@ -377,12 +392,13 @@ def test_bf16_kernel_compiles_for_sm90(block, block_m):
     from triton.compiler import ASTSource
 
     sig = {
-        "x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*u8", "c_ptr": "*bf16",
+        "x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bs_ptr": "*u8", "c_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
     }  # fmt: skip
-    meta = dict(SB=block, BLOCK_M=block_m, BLOCK_N=tb.BLOCK_N, BK=tb.BK, F32_DOT=False, PDL=True)
+    meta = dict(SB=block, BLOCK_M=block_m, BLOCK_N=tb.BLOCK_N, BK=tb.BK, F32_DOT=False, SPLIT=2, SUM_IN_KERNEL=True,
+                PDL=True)  # fmt: skip
     sig.update(dict.fromkeys(meta, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)}
     src = ASTSource(fn=tb._fp8_gemm_nt_bf16_kernel, signature=sig, constexprs=meta, attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     ptx = kern.asm["ptx"]

@@ -10,8 +10,8 @@ pytest.importorskip("triton.experimental.gluon")
 from deepinfer_kernels.testing.triton_interpreter import triton_importable  # noqa: E402
 
 FP8_SIG = {
-    "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*u8", "c_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
+    "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*u8", "c_ptr": "*bf16", "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "STEPS_PER_SPLIT": "i32",
 }  # fmt: skip
 MXFP4_SIG = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "rs_ptr": "*fp32", "tile_e_ptr": "*i32",
@@ -30,7 +30,8 @@ def _kernels():
     epi = dict(FUSE=True, HAS_LIMIT=True, HAS_RS=False)
     tiles = dict(BLOCK_N=mcfg["BLOCK_N"], BKH=mcfg["BKH"], NUM_WARPS=4)
     return {
-        "fp8_rows": (fp8_rows._fp8_rows_kernel, FP8_SIG, dict(A_E8M0=False, B_E8M0=True, BLOCK_N=64, NUM_WARPS=4)),
+        "fp8_rows": (fp8_rows._fp8_rows_kernel, FP8_SIG, dict(A_E8M0=False, B_E8M0=True, BLOCK_N=64, NUM_WARPS=4,
+                                                                           SPLIT=4, SUM_IN_KERNEL=True)),
         "mxfp4_rows": (mx_rows._expert_rows_kernel, rows_sig,
                        dict(SORTED=True, HAS_INDEX=False, **tiles, **epi)),
         "mxfp4_wgmma": (mx_wgmma._expert_rows_wgmma_kernel, MXFP4_SIG,

@@ -15,9 +15,9 @@ its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K bloc
   exact products and fp32 sums; the scales multiply each K block's [64, 8] partial product (b_scale of its rows
   times a_scale of its columns) as the op's definition reads, cheap at 8 columns.
 * K is split for up to ~16 programs an SM (``_split``, from N and K only; ~4 an SM was 10-15% slower than Triton),
-  the fp32 parts added in a fixed order (``split_k.sum_splits``): an output row depends only on its own activation
-  row and the tiling not on M, so the kernel is batch-invariant; the registration is not (M picks this kernel or
-  Triton's).
+  the fp32 parts added in a fixed order by the tile's last program (``split_k.store_split_tile``): an output row
+  depends only on its own activation row and the tiling not on M, so the kernel is batch-invariant; the
+  registration is not (M picks this kernel or Triton's).
 
 Scales: a_scale and b_scale in fp32, UE8M0 bytes or float8_e8m0fnu, any value (they multiply fp32 partials).
 Measured on an H200 (session 30, one row, CUDA graphs after a 256 MB copy, us Triton -> this): wo_b (5120 x 8192)
@@ -38,7 +38,7 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.quant.formats import is_ue8m0
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
-from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import k_split, split_output, store_split_tile
 from deepinfer_kernels.registry import register_backend
 
 from .dequant_mm import fp8_gemm_nt_dequant_mm
@@ -68,19 +68,62 @@ def _scaled_add(acc, w, x, bs_ptr, bs_rows, as_ptr, as_cols, kb, n_ok, m_ok, A_E
 
 
 @gluon.jit
+def _loads4(w_rows, x_cols, k0, kw, kx):
+    """The weight and activation tiles of K blocks k0 / 32 .. + 3: [BLOCK_N, 32] and [32, 8] e4m3 each."""
+    w0 = gl.load(w_rows[:, None] + (k0 + kw)[None, :])
+    w1 = gl.load(w_rows[:, None] + (k0 + 32 + kw)[None, :])
+    w2 = gl.load(w_rows[:, None] + (k0 + 64 + kw)[None, :])
+    w3 = gl.load(w_rows[:, None] + (k0 + 96 + kw)[None, :])
+    x0 = gl.load(x_cols[None, :] + (k0 + kx)[:, None])
+    x1 = gl.load(x_cols[None, :] + (k0 + 32 + kx)[:, None])
+    x2 = gl.load(x_cols[None, :] + (k0 + 64 + kx)[:, None])
+    x3 = gl.load(x_cols[None, :] + (k0 + 96 + kx)[:, None])
+    return w0, w1, w2, w3, x0, x1, x2, x3
+
+
+@gluon.jit
+def _adds4(acc, t, kb, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0: gl.constexpr, B_E8M0: gl.constexpr):
+    """acc + the scaled partial products of ``_loads4``'s tiles ``t`` (K blocks kb .. kb + 3), in K order."""
+    acc = _scaled_add(acc, t[0], t[4], bs_ptr, bs_rows, as_ptr, as_cols, kb, n_ok, m_ok, A_E8M0, B_E8M0)
+    acc = _scaled_add(acc, t[1], t[5], bs_ptr, bs_rows, as_ptr, as_cols, kb + 1, n_ok, m_ok, A_E8M0, B_E8M0)
+    acc = _scaled_add(acc, t[2], t[6], bs_ptr, bs_rows, as_ptr, as_cols, kb + 2, n_ok, m_ok, A_E8M0, B_E8M0)
+    acc = _scaled_add(acc, t[3], t[7], bs_ptr, bs_rows, as_ptr, as_cols, kb + 3, n_ok, m_ok, A_E8M0, B_E8M0)
+    return acc
+
+
+@gluon.jit
+def _step4(acc, w_rows, x_cols, k0, kw, kx, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok,
+           A_E8M0: gl.constexpr, B_E8M0: gl.constexpr):  # fmt: skip
+    """One step of 128: every load first (4 x 2 KB of weights in flight), then a partial product a K block of 32,
+    each scaled by its block's scales."""
+    t = _loads4(w_rows, x_cols, k0, kw, kx)
+    return _adds4(acc, t, k0 // 32, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0, B_E8M0)
+
+
+@gluon.jit
+def _step8(acc, w_rows, x_cols, k0, kw, kx, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok,
+           A_E8M0: gl.constexpr, B_E8M0: gl.constexpr):  # fmt: skip
+    """One step of 256: the loads of both halves first (8 x 2 KB of weights in flight), then the 8 K blocks."""
+    t = _loads4(w_rows, x_cols, k0, kw, kx)
+    u = _loads4(w_rows, x_cols, k0 + 128, kw, kx)
+    acc = _adds4(acc, t, k0 // 32, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0, B_E8M0)
+    return _adds4(acc, u, k0 // 32 + 4, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0, B_E8M0)
+
+
+@gluon.jit
 def _fp8_rows_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS_PER_SPLIT,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, cnt_ptr, M, N, K, STEPS_PER_SPLIT,
     A_E8M0: gl.constexpr, B_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PDL: gl.constexpr = False,
+    SPLIT: gl.constexpr, SUM_IN_KERNEL: gl.constexpr, BK: gl.constexpr = 128, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (pid_n, pid_m, pid_k): c[8 pid_m .. + 8, BLOCK_N pid_n .. + BLOCK_N] over K steps [pid_k * SPS,
-    (pid_k + 1) * SPS) of 128 (SPS = STEPS_PER_SPLIT); with a K split, c is the fp32 workspace [SPLIT, M, N].
+    (pid_k + 1) * SPS) of BK (128 or 256: 4 or 8 K blocks of 32 loaded at once; SPS = STEPS_PER_SPLIT); with a K
+    split, parts in the fp32 workspace [SPLIT, M, N] (``split_k.store_split_tile``).
     MXFP8: a: [M, K] e4m3, as: [M, K / 32], b: [N, K] e4m3, bs: [ceil(N / 32), K / 32]."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-    BK: gl.constexpr = 128  # a step: 4 K blocks of 32
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -103,22 +146,14 @@ def _fp8_rows_kernel(
     s_hi = gl.minimum(s_lo + STEPS_PER_SPLIT, K // BK)
     for s in range(s_lo, s_hi):
         k0 = s * BK
-        # every load of the step first: 4 x 2 KB of weights in flight before the first MMA waits on them
-        w0 = gl.load(w_rows[:, None] + (k0 + kw)[None, :])
-        w1 = gl.load(w_rows[:, None] + (k0 + 32 + kw)[None, :])
-        w2 = gl.load(w_rows[:, None] + (k0 + 64 + kw)[None, :])
-        w3 = gl.load(w_rows[:, None] + (k0 + 96 + kw)[None, :])
-        x0 = gl.load(x_cols[None, :] + (k0 + kx)[:, None])
-        x1 = gl.load(x_cols[None, :] + (k0 + 32 + kx)[:, None])
-        x2 = gl.load(x_cols[None, :] + (k0 + 64 + kx)[:, None])
-        x3 = gl.load(x_cols[None, :] + (k0 + 96 + kx)[:, None])
-        # a partial product a K block of 32, each scaled by its block's scales
-        acc = _scaled_add(acc, w0, x0, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32, n_ok, m_ok, A_E8M0, B_E8M0)
-        acc = _scaled_add(acc, w1, x1, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 1, n_ok, m_ok, A_E8M0, B_E8M0)
-        acc = _scaled_add(acc, w2, x2, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 2, n_ok, m_ok, A_E8M0, B_E8M0)
-        acc = _scaled_add(acc, w3, x3, bs_ptr, bs_rows, as_ptr, as_cols, k0 // 32 + 3, n_ok, m_ok, A_E8M0, B_E8M0)
-    c_ptrs = c_ptr + pid_k.to(gl.int64) * M * N + om.to(gl.int64)[None, :] * N + on[:, None]
-    gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        if BK == 256:  # 8 x 2 KB of weights in flight before the first MMA waits on them
+            acc = _step8(acc, w_rows, x_cols, k0, kw, kx, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0, B_E8M0)
+        else:
+            acc = _step4(acc, w_rows, x_cols, k0, kw, kx, bs_ptr, bs_rows, as_ptr, as_cols, n_ok, m_ok, A_E8M0, B_E8M0)
+    tile = pid_m * gl.num_programs(0) + pid_n
+    # a triton.jit helper: Gluon calls it
+    store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, om.to(gl.int64)[None, :] * N + on[:, None],
+                     n_ok[:, None] & m_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 # Decode sizes only: above GLUON_MAX_M rows a program's 8 columns re-read and re-convert the weights per 8 rows
@@ -140,10 +175,22 @@ BLOCK_N = 64
 NUM_WARPS = 4
 
 
+# K a step (STEP_K, where K is a multiple of it, else 128) and the K split's programs an SM. A program issues a
+# step's loads (STEP_K x 64 weight bytes) before its first MMA waits on them, and most programs of a decode GEMV
+# run only 2-4 steps: the bytes in flight are about PROGRAMS_PER_SM x STEP_K x 64 an SM.
+STEP_K = 128
+PROGRAMS_PER_SM = 16
+
+
+def _step_k(k: int) -> int:
+    return STEP_K if k % STEP_K == 0 else 128
+
+
 def _split(n: int, k: int) -> int:
-    """K split (power of two, at most 16) from N and K only: up to ~16 programs an SM (bytes in flight: a program
-    holds one 8 KB step), each at least 2 steps of 128."""
-    return k_split(-(-n // BLOCK_N), k // 128, programs_per_sm=16, min_steps=2, max_split=16)
+    """K split (power of two, at most 16) from N and K only: up to ~PROGRAMS_PER_SM programs an SM, each at least
+    256 columns of K (2 steps of 128, or 1 of 256)."""
+    step = _step_k(k)
+    return k_split(-(-n // BLOCK_N), k // step, programs_per_sm=PROGRAMS_PER_SM, min_steps=256 // step, max_split=16)
 
 
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
@@ -167,16 +214,16 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     sb, b_e8m0 = _scale_arg(b_scale)
     split = _split(n, k)
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    ws = split_workspace(c, split)
-    steps = k // 128
+    bk = _step_k(k)
+    steps = k // bk
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, 8), split)
+    out = split_output(c, split, grid[0] * grid[1])
     _fp8_rows_kernel[grid](
-        a2, sa, b.contiguous(), sb, ws, m, n, k, -(-steps // split),
-        A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
-        **pdl_options(a2.device),
+        a2, sa, b.contiguous(), sb, c, out.ws, out.counters, m, n, k, -(-steps // split),
+        A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, SPLIT=split,
+        SUM_IN_KERNEL=out.in_kernel, BK=bk, num_warps=NUM_WARPS, **pdl_options(a2.device),
     )  # fmt: skip
-    sum_splits(ws, c, split)
-    return c.reshape(*lead, n)
+    return out.finish().reshape(*lead, n)
 
 
 register_backend(

@@ -8,7 +8,7 @@ element is fixed by the tiling.
 Two registrations:
 
 * ``triton_fixed`` uses one tiling per (N, K) whatever M is, including a fixed split of K for narrow outputs
-  (the splits are added in a fixed order by a second kernel): a row's bits depend on its own data only, so it
+  (the splits are added in a fixed order, ``split_k.store_split_tile``): a row's bits depend on its own data only, so it
   is registered ``batch_invariant=True`` (the GPU tests check M = 1 against M = 64 bitwise);
 * ``triton`` is the same up to 64 rows; above, its K split counts the row tiles too (MULTI_TILE_PROGRAMS_PER_SM),
   so it shrinks to none at prefill sizes (no fp32 workspace traffic there) and its bits change with M: not
@@ -24,7 +24,7 @@ import triton.language as tl
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options, sm90_or_newer
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
-from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import k_split, split_output, store_split_tile
 from deepinfer_kernels.registry import register_backend
 
 
@@ -32,11 +32,12 @@ from deepinfer_kernels.registry import register_backend
 # M = 64 on the same weights), and one binary for every M keeps the batch-invariant variant's code identical
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_nt_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, cnt_ptr,
     M, N, K, KB_PER_SPLIT,
     SB: tl.constexpr,  # scale block along K (and along N for b)
     A_E8M0: tl.constexpr, B_E8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SUM_IN_KERNEL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     # axis 0 walks N so that consecutive programs share the same A rows (A stays in L2, B streams);
@@ -70,9 +71,10 @@ def _fp8_gemm_nt_kernel(
         acc += part * (sa[:, None] * sb[None, :])
         a_ptrs += SB
         b_ptrs += SB
-    # SPLIT > 1: c is the fp32 workspace [SPLIT, M, N]; split_sum_kernel adds the splits in order
-    c_ptrs = c_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    # SPLIT > 1: parts in the fp32 workspace [SPLIT, M, N], added in split order by the tile's last program
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm[:, None] * N + rn[None, :],
+                     m_ok[:, None] & n_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 # Above 64 rows the K split is sized from every output tile (N tiles x M tiles) to about this many programs an
@@ -122,15 +124,14 @@ def _launch(a, a_scale, b, b_scale, block, out_dtype, fixed: bool) -> torch.Tens
     sb, b_e8m0 = _scale_arg(b_scale)
     bm, bn, split, warps, stages = _config(None if fixed else m, n, k, block)
     kb_per_split = -(-(k // block) // split)
-    ws = split_workspace(c, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    out = split_output(c, split, grid[0] * grid[1])
     _fp8_gemm_nt_kernel[grid](
-        a2, sa, b.contiguous(), sb, ws, m, n, k, kb_per_split,
-        SB=block, A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split,
+        a2, sa, b.contiguous(), sb, c, out.ws, out.counters, m, n, k, kb_per_split,
+        SB=block, A_E8M0=a_e8m0, B_E8M0=b_e8m0, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, SUM_IN_KERNEL=out.in_kernel,
         num_warps=warps, num_stages=stages, **pdl_options(a2.device),
     )  # fmt: skip
-    sum_splits(ws, c, split)
-    return c.reshape(*lead, n)
+    return out.finish().reshape(*lead, n)
 
 
 def fp8_gemm_nt_triton(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):

@@ -27,19 +27,20 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options
 from deepinfer_kernels.ops.quant import act_dequant_fp8
 from deepinfer_kernels.ops.quant.triton import e8m0_to_f32
-from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import k_split, split_output, store_split_tile
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_nt_bf16_kernel(
-    x_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, STEPS_PER_SPLIT,
+    x_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, cnt_ptr, M, N, K, STEPS_PER_SPLIT,
     SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, SUM_IN_KERNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (pid_n, pid_m, pid_k): c[BLOCK_M pid_m .., BLOCK_N pid_n ..] over K steps [pid_k * SPS, + SPS) of
-    BK; with a K split, c is the fp32 workspace [SPLIT, M, N]. x: [M, K] bf16 (dequantised activations), b: [N, K]
-    e4m3, bs: [ceil(N / SB), K / SB] UE8M0 bytes. F32_DOT: the same (bf16-valued) operands multiplied as fp32, for
-    Triton's interpreter, whose bf16 ``tl.dot`` reads the raw bits as integers (Triton 3.6)."""
+    BK; with a K split, parts in the fp32 workspace [SPLIT, M, N] (``split_k.store_split_tile``). x: [M, K] bf16
+    (dequantised activations), b: [N, K] e4m3, bs: [ceil(N / SB), K / SB] UE8M0 bytes. F32_DOT: the same
+    (bf16-valued) operands multiplied as fp32, for Triton's interpreter, whose bf16 ``tl.dot`` reads the raw bits
+    as integers (Triton 3.6)."""
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -71,8 +72,9 @@ def _fp8_gemm_nt_bf16_kernel(
             acc = tl.dot(wb.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
         else:
             acc = tl.dot(wb, tl.trans(x), acc)
-    c_ptrs = c_ptr + pid_k.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm.to(tl.int64)[None, :] * N + rn[:, None],
+                     n_ok[:, None] & m_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 @triton.jit
@@ -110,13 +112,13 @@ def fp8_gemm_nt_triton_bf16(a, a_scale, b, b_scale, block=32, out_dtype=torch.bf
     x = act_dequant_fp8(a2, a_scale.reshape(m, k // block), block, torch.bfloat16)
     cfg = cfg or bf16_config(m, n, k)
     split, bk = cfg["split"], cfg["BK"]
-    ws = split_workspace(c, split)
     steps = k // bk
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    out = split_output(c, split, grid[0] * grid[1])
     _fp8_gemm_nt_bf16_kernel[grid](
-        x, b.contiguous(), b_scale.contiguous().view(torch.uint8), ws, m, n, k, -(-steps // split),
-        SB=block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=bk, F32_DOT=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(a.device),
+        x, b.contiguous(), b_scale.contiguous().view(torch.uint8), c, out.ws, out.counters, m, n, k,
+        -(-steps // split), SB=block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=bk, F32_DOT=interpreting(),
+        SPLIT=split, SUM_IN_KERNEL=out.in_kernel, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(a.device),
     )  # fmt: skip
-    sum_splits(ws, c, split)
-    return c.reshape(*lead, n)
+    return out.finish().reshape(*lead, n)

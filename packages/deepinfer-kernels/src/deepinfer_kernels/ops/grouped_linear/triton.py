@@ -18,20 +18,21 @@ import triton.language as tl
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, require_same_device, triton_cuda_available
 from deepinfer_kernels.ops.linear.triton import _config as _linear_config
-from deepinfer_kernels.ops.split_k import split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import split_output, store_split_tile
 from deepinfer_kernels.registry import register_backend
 
 
 # M is not specialised: one binary serves every M, so the bits of a row cannot change with the batch size
 @triton.jit(do_not_specialize=["M"])
 def _grouped_linear_kernel(
-    x_ptr, w_ptr, c_ptr,
+    x_ptr, w_ptr, c_ptr, ws_ptr, cnt_ptr,
     M, G, N, K, K_PER_SPLIT, x_stride_m, x_stride_g,
     F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, SUM_IN_KERNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # c is [SPLIT, M, G, N]; x[:, g] is [M, K] with row stride x_stride_m; W_g rows are weight rows g*N..g*N+N-1
+    # c is [M, G, N] (parts: [SPLIT, M, G, N]); x[:, g] is [M, K] with row stride x_stride_m; W_g rows are weight
+    # rows g*N..g*N+N-1
     n_tiles = tl.cdiv(N, BLOCK_N)
     g = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -56,8 +57,9 @@ def _grouped_linear_kernel(
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
-    c_ptrs = c_ptr + ((pid_k.to(tl.int64) * M + rm[:, None]) * G + g) * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tile = pid_m * tl.num_programs(0) + tl.program_id(0)
+    store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, (rm[:, None] * G + g) * N + rn[None, :],
+                     m_ok[:, None] & n_ok[None, :], M * G * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 def grouped_linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,15 +77,14 @@ def grouped_linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.
         return c.zero_()
     bm, bn, bk, split, warps, stages = _linear_config(g * n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BLOCK_K steps per split
-    ws = split_workspace(c, split)
     grid = (g * triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    out = split_output(c, split, grid[0] * grid[1])
     _grouped_linear_kernel[grid](
-        x, w, ws, m, g, n, k, k_per_split, x.stride(0), x.stride(1),
+        x, w, c, out.ws, out.counters, m, g, n, k, k_per_split, x.stride(0), x.stride(1),
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages, **pdl_options(x.device),
+        SPLIT=split, SUM_IN_KERNEL=out.in_kernel, num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )  # fmt: skip
-    sum_splits(ws, c, split)
-    return c
+    return out.finish()
 
 
 register_backend(

@@ -14,17 +14,17 @@ import triton.language as tl
 
 from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import interpreting, pdl_options, triton_cuda_available
-from deepinfer_kernels.ops.split_k import k_split, split_workspace, sum_splits
+from deepinfer_kernels.ops.split_k import k_split, split_output, store_split_tile
 from deepinfer_kernels.registry import register_backend
 
 
 # M is not specialised: one binary serves every M, so the bits of a row cannot change with the batch size
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    a_ptr, b_ptr, c_ptr,
+    a_ptr, b_ptr, c_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT,
     F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, SUM_IN_KERNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     # axis 0 walks N (consecutive programs share A rows in L2 while W streams), axis 2 is the K split
@@ -48,8 +48,9 @@ def _linear_kernel(
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
-    c_ptrs = c_ptr + pid_k.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm[:, None] * N + rn[None, :],
+                     m_ok[:, None] & n_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
@@ -75,15 +76,14 @@ def linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.
         return c.zero_().reshape(*lead, n)
     bm, bn, bk, split, warps, stages = _config(n, k, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BLOCK_K steps per split
-    ws = split_workspace(c, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    out = split_output(c, split, grid[0] * grid[1])
     _linear_kernel[grid](
-        a, weight.to(x.dtype).contiguous(), ws, m, n, k, k_per_split,
+        a, weight.to(x.dtype).contiguous(), c, out.ws, out.counters, m, n, k, k_per_split,
         F32_DOT=x.dtype == torch.float32 or interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages, **pdl_options(a.device),
+        SPLIT=split, SUM_IN_KERNEL=out.in_kernel, num_warps=warps, num_stages=stages, **pdl_options(a.device),
     )  # fmt: skip
-    sum_splits(ws, c, split)
-    return c.reshape(*lead, n)
+    return out.finish().reshape(*lead, n)
 
 
 register_backend(
