@@ -12,10 +12,13 @@ from deepinfer_kernels import (
     fp8_gemm_nt,
     moe_experts,
     moe_route_topk,
+    swiglu_clamp,
+    swiglu_mlp,
 )
 from deepinfer_kernels.ops import moe as moe_ops
 from deepinfer_kernels.registry import set_batch_invariant
-from deepinfer_runtime.models.layers import Experts, Linear, project, quantize_weights_
+from deepinfer_runtime.models import layers
+from deepinfer_runtime.models.layers import Experts, Linear, SharedExpert, project, quantize_weights_
 from deepinfer_runtime.testing import model_slice as ms
 
 V41_TINY = dict(
@@ -117,6 +120,33 @@ def test_mxfp4_experts_match_the_dequantised_reference(experts_per_row, monkeypa
         moe_experts(x, ids, w, ex.w13, ex.w2.dequantize(), swiglu_limit=10.0)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_shared_expert_is_three_fp8_linears(block):
+    """``SharedExpert.quantize_fp8_``: gate and up stacked in one FP8 Linear give the bits of two FP8 Linears of the
+    same weights (no scale tile spans the two), the SwiGLU rounded to x's dtype, the FP8 down Linear; within
+    quantisation error of the bf16 MLP. An intermediate size that is not a multiple of the block is refused."""
+    g = torch.Generator().manual_seed(block)
+    inter, hidden = 256, 384
+    se = SharedExpert(inter, hidden, torch.bfloat16)
+    for lin in (se.w1, se.w3, se.w2):
+        lin.weight.data.copy_(torch.randn(lin.weight.shape, generator=g) / lin.weight.shape[1] ** 0.5)
+    x = torch.randn(9, hidden, generator=g).bfloat16()
+    dense = se(x, 10.0)
+    assert torch.equal(dense, swiglu_mlp(x, se.w1.weight, se.w3.weight, se.w2.weight, swiglu_limit=10.0))
+    w1, w3, w2 = (copy.deepcopy(lin) for lin in (se.w1, se.w3, se.w2))
+    for lin in (w1, w3, w2):
+        lin.quantize_fp8_(block)
+    se.quantize_fp8_(block)
+    assert se.quantized and not hasattr(se, "w1") and se.w13.qweight.shape == (2 * inter, hidden)
+    got = se(x, 10.0)
+    want = w2(swiglu_clamp(w1(x), w3(x), 10.0, torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert rel(got.float(), dense.float()) < 0.1  # FP8 weights and activations: a few percent
+    odd = SharedExpert(48, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        odd.quantize_fp8_(32)
+
+
 def _tiny_v41(quant="none"):
     cfg = ms.v41_slice_config(engram_vocab_size=100, **V41_TINY)
     return ms.build_random_model(cfg, "cpu", torch.float32, quant=quant, yoco_mode="off", fake_quant=False)
@@ -144,10 +174,12 @@ def test_model_with_mxfp4_experts_matches_the_dequantised_model():
 
 
 def test_quantized_model_runs_under_forced_references_and_is_batch_invariant(monkeypatch):
+    monkeypatch.setattr(layers, "QUANTIZE_SHARED_EXPERTS", True)  # the FP8 shared experts too
     model = _tiny_v41("fp8+fp4")
     kinds = {type(m.experts.w13).__name__ for m in model.modules() if hasattr(m, "experts")}
     assert kinds == {"Mxfp4Experts"}
-    assert model.layers[0].attn.wq_a.block == 32 and model.layers[0].ffn.shared_experts.w1.block is None
+    shared = model.layers[0].ffn.shared_experts
+    assert model.layers[0].attn.wq_a.block == 32 and shared.quantized and shared.w13.block == shared.w2.block == 32
     base = _run(model, IDS)
     assert torch.isfinite(base).all()
     monkeypatch.setenv("DEEPINFER_FORCE_REFERENCE", "1")

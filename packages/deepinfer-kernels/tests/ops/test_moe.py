@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from deepinfer_kernels.ops.moe import moe_experts, moe_route_hash, moe_route_topk, swiglu_clamp, swiglu_mlp
 from deepinfer_kernels.registry import list_ops
-from deepinfer_kernels.testing.compare import assert_rel_close
+from deepinfer_kernels.testing.compare import assert_bitwise, assert_rel_close
 
 hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
@@ -265,6 +265,9 @@ def test_swiglu_clamp_is_asymmetric():
     assert_rel_close(out, expected, 1e-6, "clamped")
     assert_rel_close(swiglu_clamp(gate, up, None), F.silu(gate) * up, 1e-6, "unclamped")
     assert swiglu_clamp(gate.bfloat16(), up.bfloat16(), 10.0).dtype == torch.float32
+    assert_bitwise(swiglu_clamp(gate, up, 10.0, torch.bfloat16), out.bfloat16(), "rounded to out_dtype")
+    with pytest.raises(ValueError, match="out_dtype"):
+        swiglu_clamp(gate, up, 10.0, torch.int32)
 
 
 def test_dtypes_and_empty():

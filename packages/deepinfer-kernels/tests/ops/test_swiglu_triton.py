@@ -1,7 +1,8 @@
 """swiglu_clamp: the Triton SwiGLU vs the reference under Triton's interpreter on CPU (fp32 and bf16 inputs, fp32 and
 bf16 outputs, the clamp engaged on both sides, no clamp, NaN and infinities, a length that is not a multiple of the
-block, strided inputs) and on CUDA at the shared expert's prefill shapes (V4 [8192, 2048], V4.1 [8192, 2304]), where
-it must equal the reference bit for bit (libdevice exp, IEEE division, no FMA contraction)."""
+block, strided inputs, the two column halves of one GEMM output read in place) and on CUDA at the shared expert's
+prefill shapes (V4 [8192, 2048], V4.1 [8192, 2304]), where it must equal the reference bit for bit (libdevice exp,
+IEEE division, no FMA contraction)."""
 
 import pytest
 import torch
@@ -50,6 +51,11 @@ def _interp_specials_and_layouts():
     assert_rel_close(swiglu_clamp_triton(g[:, ::2], u[:, 1::2], LIMIT), swiglu_clamp_ref(g[:, ::2], u[:, 1::2], LIMIT),
                      1e-6, "strided")  # fmt: skip
     assert swiglu_clamp_triton(g[:0], u[:0], LIMIT).shape == (0, 64)
+    gu = torch.cat(_gate_up((7, 48), seed=6), dim=1).bfloat16()  # [T, 2 I]: a fused gate/up GEMM's output
+    gate, up = gu.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    got = swiglu_clamp_triton(gate, up, LIMIT, out_dtype=torch.bfloat16)  # read in place (row strides)
+    assert_bitwise(got, swiglu_clamp_triton(gate.contiguous(), up.contiguous(), LIMIT, torch.bfloat16), "halves")
 
 
 INTERP_CASES = {
@@ -85,3 +91,9 @@ def test_gpu_bitwise_vs_reference(inter):
     assert_bitwise(swiglu_clamp_triton(gate, up, None), swiglu_clamp_ref(gate, up, None), "no clamp")
     one = swiglu_clamp_triton(gate[100:101], up[100:101], LIMIT)
     assert_bitwise(one[0], want[100], "a row alone")
+    # the halves of one [T, 2 I] bf16 GEMM output, read in place, rounded to bf16 (the FP8 shared expert's call)
+    gu = torch.cat([gate, up], dim=1).bfloat16()
+    for rows in (1, 8192):
+        g16, u16 = gu[:rows].chunk(2, dim=-1)
+        want16 = swiglu_clamp_ref(g16, u16, LIMIT, torch.bfloat16)
+        assert_bitwise(swiglu_clamp(g16, u16, LIMIT, torch.bfloat16), want16, f"halves of [{rows}, 2 I], bf16 out")

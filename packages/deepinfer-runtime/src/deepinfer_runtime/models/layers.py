@@ -32,6 +32,7 @@ from deepinfer_kernels import (
     rms_norm_rope,
     rope_interleaved,
     sparse_mqa_attention,
+    swiglu_clamp,
     swiglu_mlp,
 )
 from torch import nn
@@ -237,22 +238,33 @@ class Experts(nn.Module):
             self.register_buffer(f"{name}_scale", q.scale)
 
 
-# Linears the models read through ``.weight`` (grouped / fp32 / fused-MLP products): quantising them would
-# only add a dequantisation per call, so ``quantize_weights_`` leaves them in the model dtype.
+# Linears the models read through ``.weight`` (grouped / fp32 products): quantising them would only add a
+# dequantisation per call, so ``quantize_weights_`` leaves them in the model dtype. (The shared experts are
+# quantised as a whole, ``SharedExpert.quantize_fp8_``, not Linear by Linear.)
 READ_AS_WEIGHT = ("shared_experts.", ".wo_a", "compressor.", "head", "mtp.", "main_proj")
+# Whether ``quantize_weights_`` keeps the backbone's shared experts in FP8 (their released format: MXFP8 in V4.1,
+# 128-block FP8 in V4) rather than in the model dtype. Off until measured on a GPU (session 38 got no device
+# time): at decode it halves their bytes, at prefill it adds the activation quantisation of two more FP8 GEMMs.
+QUANTIZE_SHARED_EXPERTS = False
 
 
 def quantize_weights_(
     model: nn.Module, dense_block: int | None, experts: bool, skip: tuple[str, ...] = READ_AS_WEIGHT
 ) -> dict[str, int]:
     """Quantise a model in place: every ``Linear`` whose name contains none of ``skip`` to FP8 with
-    ``dense_block`` x ``dense_block`` UE8M0 scales (None: leave dense weights), and with ``experts`` every
-    ``Experts`` to MXFP4. Returns counts {"linear": n, "experts": m}."""
+    ``dense_block`` x ``dense_block`` UE8M0 scales (None: leave dense weights), the backbone's shared experts
+    likewise (``SharedExpert.quantize_fp8_``, with QUANTIZE_SHARED_EXPERTS; three Linears each in the count), and
+    with ``experts`` every ``Experts`` to MXFP4. Returns counts {"linear": n, "experts": m}."""
     done = {"linear": 0, "experts": 0}
     for name, m in list(model.named_modules()):
         if isinstance(m, Experts) and experts and not m.quantized:
             m.quantize_mxfp4_()
             done["experts"] += 1
+        elif isinstance(m, SharedExpert) and dense_block is not None and QUANTIZE_SHARED_EXPERTS and not m.quantized:
+            if "mtp." in name:  # the DSpark / MTP stages keep their weights in the model dtype (READ_AS_WEIGHT)
+                continue
+            m.quantize_fp8_(dense_block)
+            done["linear"] += 3
         elif isinstance(m, Linear) and dense_block is not None and m.block is None:
             if any(s in name for s in skip) or m.weight.shape[1] % dense_block:
                 continue
@@ -262,6 +274,10 @@ def quantize_weights_(
 
 
 class SharedExpert(nn.Module):
+    """The shared expert's SwiGLU MLP: w1 (gate), w3 (up) [inter, hidden] and w2 (down) [hidden, inter] under the
+    checkpoint's names. ``quantize_fp8_`` (the released MXFP8 / FP8 format) replaces w1 and w3 by one FP8 Linear
+    ``w13`` [2 inter, hidden] (gate rows, then up rows) and quantises w2; ``forward`` then runs the FP8 GEMMs."""
+
     def __init__(self, inter: int, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.w1, self.w3, self.w2 = (
@@ -269,6 +285,33 @@ class SharedExpert(nn.Module):
             Linear(hidden, inter, dtype),
             Linear(inter, hidden, dtype),
         )
+
+    @property
+    def quantized(self) -> bool:
+        return "w13" in self._modules
+
+    def quantize_fp8_(self, block: int) -> None:
+        """Keep the weights as FP8 with one UE8M0 scale per block x block tile (``Linear.quantize_fp8_``; the
+        intermediate size a multiple of block, so that no scale tile spans gate and up rows): gate and up stacked
+        as ``w13``, which a decode step streams in one GEMM launch."""
+        inter, hidden = self.w1.weight.shape
+        if inter % block:
+            raise ValueError(f"SharedExpert.quantize_fp8_: intermediate size {inter} is not a multiple of {block}")
+        w13 = Linear(hidden, 2 * inter, self.w1.weight.dtype).to(self.w1.weight.device)
+        w13.weight.data.copy_(torch.cat([self.w1.weight.data, self.w3.weight.data]))
+        w13.quantize_fp8_(block)
+        self.w2.quantize_fp8_(block)
+        del self.w1, self.w3
+        self.w13 = w13
+
+    def forward(self, x: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] in x.dtype: w2(swiglu_clamp(w1 x, w3 x)). Quantised: gate and up from one
+        FP8 GEMM in x's dtype, the clamped SwiGLU in fp32 rounded to x's dtype, the FP8 down GEMM (the released
+        model's roundings: each FP8 Linear quantises its input per 1 x block)."""
+        if not self.quantized:
+            return swiglu_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, swiglu_limit=swiglu_limit)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(swiglu_clamp(gate, up, swiglu_limit, x.dtype))
 
 
 # The attention output's inverse RoPE made by the kernel that stores the output (``sparse_mqa_attention``'s
@@ -323,7 +366,7 @@ def routed_plus_shared(
     the same bits). At the token counts of ``shared_expert_inline`` it runs first on the main path instead."""
     side = SideStream.inline() if shared_expert_inline(x.shape[0], experts) else SideStream.of(x.device, "shared")
     with side.branch():
-        y = swiglu_mlp(x, shared.w1.weight, shared.w3.weight, shared.w2.weight, swiglu_limit=swiglu_limit)
+        y = shared(x, swiglu_limit)
     weights, ids = route()
     routed = experts(x, ids, weights, swiglu_limit=swiglu_limit)
     side.join()

@@ -130,14 +130,20 @@ def moe_route_hash(
     )
 
 
-def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (no clamps when limit is None).
+def swiglu_clamp(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (no clamps when limit is None), rounded to
+    ``out_dtype`` (fp32: none; a 16-bit dtype: what a down projection in that dtype reads).
 
-    The clamp is asymmetric: the gate is only capped from above. Returns fp32, shape of gate.
+    The clamp is asymmetric: the gate is only capped from above. Returns the shape of gate; gate and up may be
+    the two column halves of one GEMM output (views).
     """
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_clamp: gate {tuple(gate.shape)} != up {tuple(up.shape)}")
-    return dispatch("swiglu_clamp", gate.device, gate, up, limit)
+    if not out_dtype.is_floating_point:
+        raise ValueError(f"swiglu_clamp: out_dtype must be a floating dtype, got {out_dtype}")
+    return dispatch("swiglu_clamp", gate.device, gate, up, limit, out_dtype)
 
 
 @dataclass(frozen=True)

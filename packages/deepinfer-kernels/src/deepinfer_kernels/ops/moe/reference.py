@@ -91,12 +91,14 @@ def check_hash_ranges(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: to
 
 
 @register_reference("swiglu_clamp")
-def swiglu_clamp_ref(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+def swiglu_clamp_ref(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     gate, up = gate.float(), up.float()
     if limit is not None:
         gate = gate.clamp(max=limit)  # one-sided on the gate
         up = up.clamp(min=-limit, max=limit)
-    return silu(gate) * up
+    return (silu(gate) * up).to(out_dtype)
 
 
 @register_reference("moe_experts")

@@ -31,14 +31,22 @@ BLOCK = 2048  # elements per program
 
 @triton.jit
 def _swiglu_kernel(
-    gate_ptr, up_ptr, out_ptr, n, limit,
-    HAS_LIMIT: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    gate_ptr, up_ptr, out_ptr, n, limit, C, g_stride, u_stride,
+    HAS_LIMIT: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """out (contiguous, n elements) from gate and up; STRIDED: [n / C, C] rows of row strides g_stride / u_stride
+    (the halves of one GEMM's output), else contiguous."""
     pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    g = tl.load(gate_ptr + i, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + i, mask=m, other=0.0).to(tl.float32)
+    gi = i
+    ui = i
+    if STRIDED:
+        gi = (i // C) * g_stride + i % C
+        ui = (i // C) * u_stride + i % C
+    g = tl.load(gate_ptr + gi, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + ui, mask=m, other=0.0).to(tl.float32)
     if HAS_LIMIT:  # NaN stays NaN, as in torch.clamp
         g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
         u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
@@ -48,28 +56,45 @@ def _swiglu_kernel(
     tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
+def _rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """(columns, row stride) of a tensor whose rows are contiguous and evenly spaced (a 2-D view of halves of a
+    wider row), else None."""
+    if t.dim() != 2 or t.stride(1) != 1:
+        return None
+    return t.shape[1], t.stride(0)
+
+
 def swiglu_clamp_triton(
     gate: torch.Tensor, up: torch.Tensor, limit: float | None, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """``swiglu_clamp`` in one launch, written in ``out_dtype`` (the op returns fp32; see the module docstring)."""
+    """``swiglu_clamp`` in one launch, written in ``out_dtype`` (the op returns fp32; see the module docstring).
+    gate and up may be column slices of one [T, 2 I] tensor (read in place) or any contiguous tensors."""
     require_same_device(gate, up)
-    if not (gate.is_contiguous() and up.is_contiguous()):
-        gate, up = gate.contiguous(), up.contiguous()
+    strided = not (gate.is_contiguous() and up.is_contiguous())
+    cols, gs, us = gate.shape[-1] if gate.dim() else 1, 0, 0
+    if strided:
+        g_rows, u_rows = _rows(gate), _rows(up)
+        if g_rows is None or u_rows is None:
+            gate, up, strided = gate.contiguous(), up.contiguous(), False
+        else:
+            gs, us = g_rows[1], u_rows[1]
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
     n = out.numel()
     if n:
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](
-            gate, up, out, n, float(limit) if limit is not None else 0.0,
-            HAS_LIMIT=limit is not None, LIBDEVICE=not interpreting(), BLOCK=BLOCK,
+            gate, up, out, n, float(limit) if limit is not None else 0.0, cols, gs, us,
+            HAS_LIMIT=limit is not None, LIBDEVICE=not interpreting(), BLOCK=BLOCK, STRIDED=strided,
             num_warps=8, enable_fp_fusion=False, **pdl_options(gate.device),
         )  # fmt: skip
     return out
 
 
-def _swiglu_clamp_backend(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+def _swiglu_clamp_backend(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     if not (gate.is_floating_point() and up.is_floating_point()):
-        return swiglu_clamp_ref(gate, up, limit)
-    return swiglu_clamp_triton(gate, up, limit)
+        return swiglu_clamp_ref(gate, up, limit, out_dtype)
+    return swiglu_clamp_triton(gate, up, limit, out_dtype)
 
 
 def swiglu_mlp_triton(
