@@ -31,7 +31,7 @@ def _kernels():
     tiles = dict(BLOCK_N=mcfg["BLOCK_N"], BKH=mcfg["BKH"], NUM_WARPS=4)
     return {
         "fp8_rows": (fp8_rows._fp8_rows_kernel, FP8_SIG, dict(A_E8M0=False, B_E8M0=True, BLOCK_N=64, NUM_WARPS=4,
-                                                                           SPLIT=4, SUM_IN_KERNEL=True)),
+                                                                           SPLIT=4, SUM_IN_KERNEL=True, BK=128)),
         "mxfp4_rows": (mx_rows._expert_rows_kernel, rows_sig,
                        dict(SORTED=True, HAS_INDEX=False, **tiles, **epi)),
         "mxfp4_wgmma": (mx_wgmma._expert_rows_wgmma_kernel, MXFP4_SIG,
