@@ -17,14 +17,14 @@ from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test 
 
 def _both_ways(fn, what: str) -> torch.Tensor:
     """fn() with the sum in the kernel and with the second launch: bitwise equal, counters left at zero."""
-    old = split_k.SUM_IN_KERNEL
+    old = split_k.SUM_IN_KERNEL, split_k.SUM_IN_KERNEL_MAX_ROWS
     try:
-        split_k.SUM_IN_KERNEL = True
+        split_k.SUM_IN_KERNEL, split_k.SUM_IN_KERNEL_MAX_ROWS = True, 1 << 30
         fused = fn()
         split_k.SUM_IN_KERNEL = False
         second = fn()
     finally:
-        split_k.SUM_IN_KERNEL = old
+        split_k.SUM_IN_KERNEL, split_k.SUM_IN_KERNEL_MAX_ROWS = old
     assert_bitwise(fused, second, what)
     cnt = counter_block(fused.device)
     assert int(cnt.abs().sum()) == 0, f"{what}: arrival counters left at {cnt.nonzero().flatten()[:8].tolist()}"
@@ -98,10 +98,14 @@ INTERP_CASES = {"in-kernel-sum": ("_interp_in_kernel_sum", ())}
 test_interpreter = interpreted_cases_test(__file__, INTERP_CASES)  # one TRITON_INTERPRET=1 child process
 
 
-def test_split_output_falls_back_past_the_counters():
-    """More tiles than counters: the parts go to the second launch; unsplit: c itself, nothing to finish."""
+def test_split_output_falls_back_past_the_counters(monkeypatch):
+    """More tiles than counters, or more rows than SUM_IN_KERNEL_MAX_ROWS: the parts go to the second launch;
+    unsplit: c itself, nothing to finish."""
+    monkeypatch.setattr(split_k, "SUM_IN_KERNEL", True)
+    monkeypatch.setattr(split_k, "SUM_IN_KERNEL_MAX_ROWS", 4)
     c = torch.empty(4, 8)
-    assert split_k.split_output(c, 4, COUNTERS).in_kernel == split_k.SUM_IN_KERNEL
+    assert split_k.split_output(c, 4, COUNTERS).in_kernel
+    assert not split_k.split_output(torch.empty(5, 8), 4, 10).in_kernel
     out = split_k.split_output(c, 4, COUNTERS + 1)
     assert not out.in_kernel and out.ws.shape == (4, 4, 8) and out.ws.dtype == torch.float32
     one = split_k.split_output(c, 1, 10)
@@ -125,6 +129,7 @@ def test_gpu_in_kernel_sum_graph_replays(monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 kernels need sm_90")
     monkeypatch.setattr(split_k, "SUM_IN_KERNEL", True)
+    monkeypatch.setattr(split_k, "SUM_IN_KERNEL_MAX_ROWS", 2)
     from deepinfer_kernels import act_quant_fp8, fp8_block_quantize
     from deepinfer_kernels.ops.fp8_gemm import gluon
 

@@ -7,7 +7,8 @@ tile stores its fp32 part, and the last of them to arrive (an acq_rel counter of
 in split order and stores the tile, as ``linear``'s skinny kernel does. A decode step runs ~40 split GEMMs; a second
 launch for each sum cost ~2 us of serial time apiece (session 37's batch-1 profile: 41 ``split_sum_kernel``
 launches, 76 us). Calls of more tiles than there are counters keep the second launch (``sum_splits``); the bits are
-the same either way: the same parts added in the same order. Without it, the second launch adds them."""
+the same either way: the same parts added in the same order. Without it (and above SUM_IN_KERNEL_MAX_ROWS rows),
+the second launch adds them."""
 
 from dataclasses import dataclass
 
@@ -19,10 +20,14 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import COUNTERS, counter_block, pdl_options
 
 SMS = 132  # H200; only sets how far decode-size GEMMs are split along K
-# Whether split GEMMs add their parts in their own launch (False: always the second launch). Off until measured
-# and tested on a GPU (session 38 got no device time): ``tests/ops/test_split_k.py``'s GPU tests, then an A/B of
-# ``--set deepinfer_kernels.ops.split_k.SUM_IN_KERNEL=True`` (``benchmarks/ab_slice.py``).
-SUM_IN_KERNEL = False
+# Whether split GEMMs of at most SUM_IN_KERNEL_MAX_ROWS output rows add their parts in their own launch (else the
+# second launch; the bits are the same). H100, V4.1 slice (``--quant fp8+fp4``, 4K, pipelined, same lease, three
+# rounds in two A/Bs; ``ab_split_sum_shared_fp8_gemv_h100_session38.log``), every split GEMM summing in-kernel
+# against none: batch 1 -52 / -47 us, batch 8 +63 / +49 us, 64 and 256 within noise. At 8 rows the last program
+# of a tile reads its SPLIT parts alone (16 x 2 KB for a 64-column tile), after an arrival; the second launch reads
+# them with every SM. Cold GEMVs back-to-back in a graph moved within noise either way (``gemv`` table there).
+SUM_IN_KERNEL = True
+SUM_IN_KERNEL_MAX_ROWS = 1
 
 
 @triton.jit
@@ -89,11 +94,12 @@ class SplitOutput:
 
 def split_output(c: torch.Tensor, split: int, tiles: int) -> SplitOutput:
     """The outputs of a launch of ``tiles`` output tiles (programs of one K split; their counters are indices
-    0 .. tiles - 1) split ``split`` ways: parts added in the kernel when SUM_IN_KERNEL and the tiles fit COUNTERS."""
+    0 .. tiles - 1) split ``split`` ways: parts added in the kernel with SUM_IN_KERNEL when c has at most
+    SUM_IN_KERNEL_MAX_ROWS rows (its leading dimension) and the tiles fit COUNTERS."""
     if split == 1:
         return SplitOutput(c, c, c, 1, False)
     ws = split_workspace(c, split)
-    in_kernel = SUM_IN_KERNEL and tiles <= COUNTERS
+    in_kernel = SUM_IN_KERNEL and c.shape[0] <= SUM_IN_KERNEL_MAX_ROWS and tiles <= COUNTERS
     return SplitOutput(c, ws, counter_block(c.device) if in_kernel else ws, split, in_kernel)
 
 

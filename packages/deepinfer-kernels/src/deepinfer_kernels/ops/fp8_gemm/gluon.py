@@ -15,9 +15,9 @@ its 64 x 128 tiles mostly padding and its fp32 accumulator rescaled every K bloc
   exact products and fp32 sums; the scales multiply each K block's [64, 8] partial product (b_scale of its rows
   times a_scale of its columns) as the op's definition reads, cheap at 8 columns.
 * K is split for up to ~16 programs an SM (``_split``, from N and K only; ~4 an SM was 10-15% slower than Triton),
-  the fp32 parts added in a fixed order by the tile's last program (``split_k.store_split_tile``): an output row
-  depends only on its own activation row and the tiling not on M, so the kernel is batch-invariant; the
-  registration is not (M picks this kernel or Triton's).
+  the fp32 parts added in a fixed order (``split_k.store_split_tile``: by the tile's last program at one row, else
+  by a second launch; the same bits): an output row depends only on its own activation row and the tiling not on
+  M, so the kernel is batch-invariant; the registration is not (M picks this kernel or Triton's).
 
 Scales: a_scale and b_scale in fp32, UE8M0 bytes or float8_e8m0fnu, any value (they multiply fp32 partials).
 Measured on an H200 (session 30, one row, CUDA graphs after a 256 MB copy, us Triton -> this): wo_b (5120 x 8192)
