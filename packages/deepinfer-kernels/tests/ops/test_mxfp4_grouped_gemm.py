@@ -305,7 +305,7 @@ def test_gluon_tma_kernel_compiles_for_sm90(fuse, tn):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    cfg = dict(backend.TMA_CFG, TN=tn)
+    cfg = dict(backend.TMA_CFG, **(backend.TMA_FUSED_CFG if fuse else {}), TN=tn)  # as tma_rows_into picks it
     desc = backend.x_descriptor(torch.zeros(cfg["TN"], 4 * cfg["BKH"], dtype=torch.bfloat16), cfg)
     sig = {
         "x_desc": mangle_type(desc), "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16" if fuse else "*fp32",

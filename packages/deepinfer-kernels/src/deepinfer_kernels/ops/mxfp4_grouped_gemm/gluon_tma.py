@@ -191,6 +191,18 @@ def _expert_rows_tma_kernel(
 # every case; 4 stages no faster. Words instead of bytes: 8.15 + 3.93 -> 8.03 + 3.66 (the Triton kernel 10.21 +
 # 5.32, torch._grouped_mm on bf16 weights 9.37 + 4.60: bound by their 4x bytes at 128 rows an expert).
 TMA_CFG = {"TN": 128, "BLOCK_N": 64, "BKH": 64, "STAGES": 3, "num_warps": 4}
+# The fused gate/up calls' tiling over TMA_CFG: two warpgroups (128 weight rows) on one ring of x tiles, 4 stages.
+# The kernel is bound by L2 bandwidth, not by its tensor cores: every column program re-reads its x tile from L2
+# (ncu, H100, session 38, 8192 tokens over 384 experts: gate/up L2 throughput 87% (7.6 TB/s of reads), tensor pipe
+# 46% active, DRAM 31%; down 84% / 57%), and two warpgroups on one x tile halve those reads. H100, bitwise the same
+# outputs, gate/up + down ms (``.gpu``-style probe, session 38): 8192 tokens uniform 7.01 + 3.42 -> 6.92 + 3.94
+# (this tiling on both) / 6.61 + 3.56 (3 stages); skewed 6.61 + 3.02 -> 5.61 + 3.16 / 6.18 + 3.25; 6 stages in
+# between: the down GEMM keeps TMA_CFG, its faster tiling in that probe. V4.1 slice, 8K prefill, with both GEMMs
+# on this tiling (the split was not timed in the model: the session's device time ran out): 85.0 / 85.6 -> 80.5 /
+# 80.5 ms (43.6 -> 46.3% of the tensor-core floor), 4K 50.2 / 50.1 -> 48.4 / 48.8; decode batch 256 -35 / -50 us,
+# batch 64 unchanged (``mxfp4_tma_l2_bound_h100_session38.log``). Session 34 had measured this tiling slower (8.74
+# against 8.13 ms) while the weights were loaded as bytes.
+TMA_FUSED_CFG = {"BLOCK_N": 128, "STAGES": 4, "num_warps": 8}
 
 
 def tma_meta(cfg: dict) -> dict:
@@ -239,11 +251,12 @@ def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, tail_rows=No
     x_rel = relabel_x(xs, TMA_CFG["BKH"], row_index)
     rs = row_scale.contiguous() if row_scale is not None else xs  # dummy pointer when absent
     w8, s8 = w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8)
-    cols = TMA_CFG["BLOCK_N"] // 2 if fuse_swiglu else TMA_CFG["BLOCK_N"]
+    base = dict(TMA_CFG, **TMA_FUSED_CFG) if fuse_swiglu else TMA_CFG
+    cols = base["BLOCK_N"] // 2 if fuse_swiglu else base["BLOCK_N"]
     for spec, (tile_e, r0, r1, slots) in zip(specs, lists, strict=True):
         if slots == 0:  # a tail list of a call without an expert past one tile
             continue
-        cfg = dict(TMA_CFG, TN=spec.block_m)
+        cfg = dict(base, TN=spec.block_m)
         _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
             x_descriptor(x_rel, cfg), w8, s8, out, rs, tile_e, r0, r1, n_out, k,
             float(swiglu_limit) if swiglu_limit is not None else 0.0,
