@@ -243,8 +243,11 @@ class Experts(nn.Module):
 # quantised as a whole, ``SharedExpert.quantize_fp8_``, not Linear by Linear.)
 READ_AS_WEIGHT = ("shared_experts.", ".wo_a", "compressor.", "head", "mtp.", "main_proj")
 # Whether ``quantize_weights_`` keeps the backbone's shared experts in FP8 (their released format: MXFP8 in V4.1,
-# 128-block FP8 in V4) rather than in the model dtype. Off until measured on a GPU (session 38 got no device
-# time): at decode it halves their bytes, at prefill it adds the activation quantisation of two more FP8 GEMMs.
+# 128-block FP8 in V4, run as the released model runs them) rather than in the model dtype. Off: not faster with
+# today's FP8 kernels. H100, V4.1 slice, one round against the same tree without it (session 38,
+# ``ab_split_sum_shared_fp8_gemv_h100_session38.log``): batch 1 +24 us, 8 -6, 64 +1, 256 +326 us (the Triton FP8
+# GEMM at 256 rows against cuBLAS bf16), 8K prefill 85.2 -> 86.0 ms (two more activation quantisations). At one row
+# its gate/up GEMV (23.6 MB) takes 16 us cold, ~48% of copy, where the bf16 one reads twice the bytes in about 20.
 QUANTIZE_SHARED_EXPERTS = False
 
 

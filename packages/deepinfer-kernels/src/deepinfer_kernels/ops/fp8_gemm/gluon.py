@@ -177,7 +177,11 @@ NUM_WARPS = 4
 
 # K a step (STEP_K, where K is a multiple of it, else 128) and the K split's programs an SM. A program issues a
 # step's loads (STEP_K x 64 weight bytes) before its first MMA waits on them, and most programs of a decode GEMV
-# run only 2-4 steps: the bytes in flight are about PROGRAMS_PER_SM x STEP_K x 64 an SM.
+# run only 2-4 steps. Steps of 256 (88 registers against 62, so fewer programs resident) and 8 programs an SM were
+# no faster: H100, cold GEMVs back-to-back in a graph, us at M = 1, 128 / 256 / 256 with 8 an SM: wq_b 28.6 / 27.3
+# / 27.1, wo_b 26.1 / 30.6 / 28.3, w13 16.7 / 17.8 / 18.0, wq_a 9.4 / 10.3 / 10.2 (session 38,
+# ``ab_split_sum_shared_fp8_gemv_h100_session38.log``). The small weights (wq_a, wkv: 7-10 us for 2.6-6.6 MB) are
+# latency, not bytes in flight.
 STEP_K = 128
 PROGRAMS_PER_SM = 16
 
