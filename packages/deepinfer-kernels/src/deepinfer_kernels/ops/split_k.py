@@ -45,10 +45,11 @@ def split_sum_kernel(ws_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
 @triton.jit
 def store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr, pid_k, offs, mask, MN,
                      SPLIT: tl.constexpr, IN_KERNEL: tl.constexpr):  # fmt: skip
-    """A program's fp32 tile ``acc`` of output c (``offs``: its int64 offsets in c, MN = c.numel()): stored cast
-    when SPLIT == 1; else stored as part ``pid_k`` of the fp32 workspace [SPLIT, *c.shape], and with IN_KERNEL the
-    last of the tile's SPLIT programs to arrive at ``cnt_ptr`` (its tile's counter) adds the parts in split order
-    (as ``split_sum_kernel``: the same bits), stores c and leaves the counter at zero. Works from Gluon kernels."""
+    """A program's fp32 tile ``acc`` of output c (``offs``: its int64 offsets in c; MN = c.numel(), int64 so that
+    the parts' offsets do not wrap): stored cast when SPLIT == 1; else stored as part ``pid_k`` of the fp32 workspace
+    [SPLIT, *c.shape], and with IN_KERNEL the last of the tile's SPLIT programs to arrive at ``cnt_ptr`` (its tile's
+    counter) adds the parts in split order (as ``split_sum_kernel``: the same bits), stores c and leaves the counter
+    at zero. Works from Gluon kernels."""
     if SPLIT == 1:
         tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:

@@ -153,7 +153,7 @@ def _fp8_rows_kernel(
     tile = pid_m * gl.num_programs(0) + pid_n
     # a triton.jit helper: Gluon calls it
     store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, om.to(gl.int64)[None, :] * N + on[:, None],
-                     n_ok[:, None] & m_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
+                     n_ok[:, None] & m_ok[None, :], gl.cast(M, gl.int64) * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 # Decode sizes only: above GLUON_MAX_M rows a program's 8 columns re-read and re-convert the weights per 8 rows

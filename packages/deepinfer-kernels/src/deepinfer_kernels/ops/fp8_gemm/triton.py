@@ -74,7 +74,7 @@ def _fp8_gemm_nt_kernel(
     # SPLIT > 1: parts in the fp32 workspace [SPLIT, M, N], added in split order by the tile's last program
     tile = pid_m * tl.num_programs(0) + pid_n
     store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm[:, None] * N + rn[None, :],
-                     m_ok[:, None] & n_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
+                     m_ok[:, None] & n_ok[None, :], tl.cast(M, tl.int64) * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 # Above 64 rows the K split is sized from every output tile (N tiles x M tiles) to about this many programs an

@@ -74,7 +74,7 @@ def _fp8_gemm_nt_bf16_kernel(
             acc = tl.dot(wb, tl.trans(x), acc)
     tile = pid_m * tl.num_programs(0) + pid_n
     store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm.to(tl.int64)[None, :] * N + rn[:, None],
-                     n_ok[:, None] & m_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
+                     n_ok[:, None] & m_ok[None, :], tl.cast(M, tl.int64) * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 @triton.jit

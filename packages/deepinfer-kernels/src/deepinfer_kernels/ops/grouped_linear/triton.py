@@ -59,7 +59,7 @@ def _grouped_linear_kernel(
             acc += tl.dot(a, tl.trans(b))
     tile = pid_m * tl.num_programs(0) + tl.program_id(0)
     store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, (rm[:, None] * G + g) * N + rn[None, :],
-                     m_ok[:, None] & n_ok[None, :], M * G * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
+                     m_ok[:, None] & n_ok[None, :], tl.cast(M, tl.int64) * G * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 def grouped_linear_triton_fixed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _linear_kernel(
             acc += tl.dot(a, tl.trans(b))
     tile = pid_m * tl.num_programs(0) + pid_n
     store_split_tile(acc, c_ptr, ws_ptr, cnt_ptr + tile, pid_k, rm[:, None] * N + rn[None, :],
-                     m_ok[:, None] & n_ok[None, :], M * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
+                     m_ok[:, None] & n_ok[None, :], tl.cast(M, tl.int64) * N, SPLIT, SUM_IN_KERNEL)  # fmt: skip
 
 
 def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
