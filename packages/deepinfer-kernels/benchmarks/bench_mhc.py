@@ -7,7 +7,9 @@ batch-invariant coefficients and with the default ``triton_adaptive`` ones (``ad
 up to 64 tokens). A V4 site's chain before its sublayer is timed the same way both ways: coefficients then
 collapse + RMSNorm (``input_chain_graph_us``), and the sublayer input from the pre rows alone
 (``mhc_pre_collapse_rms_norm``, ``pre_input_graph_us``), which the model uses up to 64 tokens while post / comb
-are made beside the sublayer.
+are made beside the sublayer. A V4.1 site boundary (the expand, then the next site's input: collapse + RMSNorm
+of the new streams with the site's own pre) is timed both ways: ``boundary_us`` as two kernels reading the streams
+back, ``boundary_fused_us`` with ``mhc_expand_collapse`` handing the collapse over and ``rms_norm`` on it.
 
 Bytes counted (the floor of the sublayer): coefficients read x and fn and write pre/post/comb; collapse reads
 x and pre and writes u; expand reads x, y (= u), post and comb and writes the new streams.
@@ -25,9 +27,11 @@ from deepinfer_kernels.ops.mhc.triton import (
     mhc_coefficients_triton_adaptive,
     mhc_collapse_rms_norm_triton,
     mhc_collapse_triton,
+    mhc_expand_collapse_triton,
     mhc_expand_triton,
     mhc_pre_collapse_rms_norm_triton_adaptive,
 )
+from deepinfer_kernels.ops.rms_norm.triton import rms_norm_triton
 
 N = 4
 EPS = (1e-6, 1e-6, 20)  # norm_eps, hc_eps, sinkhorn_iters
@@ -48,6 +52,18 @@ def input_chain(x, fn, base, scale, g):
 def pre_input(x, fn, base, scale, g):
     """The same input from the site's pre rows alone (the model's path up to 64 tokens)."""
     return mhc_pre_collapse_rms_norm_triton_adaptive(x, fn[:N], base[:N], scale[:1], g, *EPS[:2], 1e-6)
+
+
+def boundary(x, y, post, comb, pre, g):
+    """A V4.1 site's expand, then the next site's input from the new streams (collapse + RMSNorm)."""
+    out = mhc_expand_triton(x, y, post, comb)
+    return out, mhc_collapse_rms_norm_triton(out, pre, g, 1e-6)
+
+
+def boundary_fused(x, y, post, comb, pre, g):
+    """The same with the collapse made by the expand (``deepseek_v41.EXPAND_COLLAPSE``)."""
+    out, u = mhc_expand_collapse_triton(x, y, post, comb, pre)
+    return out, rms_norm_triton(u, g, 1e-6)
 
 
 def graph_ms(fn, *args) -> float:
@@ -84,12 +100,16 @@ def main() -> None:
                 "collapse_us": 1e3 * bench_ms(mhc_collapse_triton, x, pre),
                 "expand_us": 1e3 * bench_ms(mhc_expand_triton, x, u, post, comb),
             }
+            g = 0.5 + torch.rand(d, device="cuda")
+            for name, fn_ in (("boundary", boundary), ("boundary_fused", boundary_fused)):
+                parts[f"{name}_us"] = 1e3 * bench_ms(fn_, x, u, post, comb, pre, g)
+                if t <= GRAPH_MAX_T:
+                    parts[f"{name}_graph_us"] = 1e3 * graph_ms(fn_, x, u, post, comb, pre, g)
             if t <= GRAPH_MAX_T:
                 parts["graph_us"] = 1e3 * graph_ms(sublayer, *triton_ops, x, fn, base, scale)
                 parts["ref_graph_us"] = 1e3 * graph_ms(sublayer, *ref_ops, x, fn, base, scale)
                 adaptive = (mhc_coefficients_triton_adaptive, *triton_ops[1:])
                 parts["adaptive_graph_us"] = 1e3 * graph_ms(sublayer, *adaptive, x, fn, base, scale)
-                g = 0.5 + torch.rand(d, device="cuda")
                 parts["input_chain_graph_us"] = 1e3 * graph_ms(input_chain, x, fn, base, scale, g)
                 parts["pre_input_graph_us"] = 1e3 * graph_ms(pre_input, x, fn, base, scale, g)
             gbs = nbytes / ms / 1e6

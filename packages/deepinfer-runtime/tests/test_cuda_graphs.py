@@ -59,3 +59,21 @@ def test_graphs_give_the_eager_results(tmp_path, arch, config, kw):
     whole_steps = "speculative_config" not in kw  # V4.1's host Engram tables are pinned: read in place, no sync
     assert (len(llm.model.step_graphs) > 0) == whole_steps
     _same(eager, graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_v41_expand_collapse_gives_the_same_tokens(tmp_path, monkeypatch, eager):
+    """``deepseek_v41.EXPAND_COLLAPSE`` (each mHC expand making the next site's input with the Triton kernels, bf16
+    streams): the tokens and logprobs of the unfused eager run, eagerly and through the graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import deepinfer_runtime.models.deepseek_v41 as v41
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "v4.1", "fp8+fp4", seed=4)
+    kw = {"yoco_mode": "compact", "engram_device": "cuda"}
+    _, base = _generate(path, "cuda", True, dtype="bfloat16", **kw)
+    monkeypatch.setattr(v41, "EXPAND_COLLAPSE", True)
+    llm, fused = _generate(path, "cuda", eager, dtype="bfloat16", **kw)
+    assert eager or len(llm.model.layers[0].graphs) > 0
+    _same(base, fused)

@@ -154,3 +154,41 @@ def test_dspark_draft_block(model, chunk):
     other = model.draft_block(torch.tensor([99]), caches)
     assert not torch.equal(other.logprobs, block.logprobs)
     assert torch.equal(model.draft_block(anchor, caches).tokens, block.tokens)
+
+
+@pytest.mark.parametrize("chunk", [7, PROMPT])
+def test_expand_collapse_gives_the_same_bits(v41_dir, monkeypatch, chunk):
+    """``EXPAND_COLLAPSE`` (each mHC expand making the next site's input, across layers too) against the model
+    without it, bitwise: prefill in chunks, then decode steps, with and without YOCO compaction (its boundary layer
+    takes the compressor's input from the layer before). The fused op must run at every site but the last layer's
+    FFN one and those before an Engram layer."""
+    import deepinfer_runtime.models.deepseek_v41 as v41
+    import deepinfer_runtime.models.layers as layers
+
+    ids = _ids(batch=2, length=PROMPT + 4, seed=6)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return fused_op(*args, **kw)
+
+    fused_op = layers.mhc_expand_collapse
+    monkeypatch.setattr(layers, "mhc_expand_collapse", counted)
+    for mode in ("off", "compact"):
+        m = load_model(v41_dir, dtype=torch.float32, progress=False, yoco_mode=mode, yoco_keep_tokens=KEEP)
+
+        def run(m=m, lens=PROMPT if mode != "off" else None):
+            got, caches = _prefill(m, ids[:, :PROMPT], chunk, prompt_len=lens)
+            return torch.cat([got, *(m(ids[:, t : t + 1], caches) for t in range(PROMPT, ids.shape[1]))], dim=1)
+
+        monkeypatch.setattr(v41, "EXPAND_COLLAPSE", False)
+        base = run()
+        assert not calls
+        monkeypatch.setattr(v41, "EXPAND_COLLAPSE", True)
+        got = run()
+        assert torch.equal(got.isnan(), base.isnan()) and torch.equal(got.nan_to_num(), base.nan_to_num()), mode
+        layers_n = m.cfg.num_hidden_layers
+        before_engram = sum(1 for i in m.cfg.engram_layer_ids if i > 0)
+        forwards = -(-PROMPT // chunk) + ids.shape[1] - PROMPT
+        assert len(calls) == forwards * (2 * layers_n - 1 - before_engram), mode
+        calls.clear()

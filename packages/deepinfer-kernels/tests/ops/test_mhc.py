@@ -9,6 +9,7 @@ from deepinfer_kernels.ops.mhc import (
     mhc_collapse,
     mhc_collapse_rms_norm,
     mhc_expand,
+    mhc_expand_collapse,
     mhc_head_weights,
     mhc_initial_pre_mix,
     mhc_lagged_layer,
@@ -439,6 +440,31 @@ def test_sublayer_output_as_two_addends():
         mhc_expand(x, a, post, comb, y_add=b.float())
     with pytest.raises(ValueError, match="y_add"):
         mhc_expand(x, a, post, comb, y_add=b[:-1])
+
+
+def test_expand_collapse_is_the_expand_then_the_collapse():
+    """V4.1's lagged wiring collapses a site's new streams with its own pre (the next site's weights), so the
+    expand can hand that collapse over too: the same bits as the two ops in a row, y_add and empty calls included,
+    and the same shape checks as ``mhc_expand`` plus the weights'."""
+    g = _gen(13)
+    params, cfg = _random_params(g), _cfg()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(g, T, N, D).to(dtype)
+        a, b = _randn(g, T, D).to(dtype), _randn(g, T, D).to(dtype)
+        pre, post, comb = mhc_coefficients(x, params, cfg)
+        for y_add in (None, b):
+            out, u = mhc_expand_collapse(x, a, post, comb, pre, y_add=y_add)
+            want = mhc_expand(x, a, post, comb, y_add=y_add)
+            assert torch.equal(out, want) and torch.equal(u, mhc_collapse(want, pre))
+            assert out.dtype == u.dtype == dtype and u.shape == (T, D)
+    out, u = mhc_expand_collapse(x[:0], a[:0], post[:0], comb[:0], pre[:0])
+    assert out.shape == (0, N, D) and u.shape == (0, D)
+    with pytest.raises(ValueError, match="weights"):
+        mhc_expand_collapse(x, a, post, comb, pre[:, :-1])
+    with pytest.raises(ValueError, match="post"):
+        mhc_expand_collapse(x, a, post[:-1], comb, pre)
+    with pytest.raises(ValueError, match="y_add"):
+        mhc_expand_collapse(x, a, post, comb, pre, y_add=b.float())
 
 
 def test_empty_and_bad_shapes():

@@ -23,6 +23,7 @@ from deepinfer_kernels.ops.mhc.triton import (  # noqa: E402
     mhc_coefficients_triton_adaptive,
     mhc_collapse_rms_norm_triton,
     mhc_collapse_triton,
+    mhc_expand_collapse_triton,
     mhc_expand_triton,
     mhc_head_weights_triton,
     mhc_head_weights_triton_adaptive,
@@ -38,7 +39,7 @@ from deepinfer_kernels.testing.triton_interpreter import interpreted_cases_test 
 COEF_TOL = 1e-5  # fp32 coefficients, bf16 or fp32 streams
 OPS = (
     "mhc_coefficients", "mhc_head_weights", "mhc_collapse", "mhc_collapse_rms_norm", "mhc_pre_collapse_rms_norm",
-    "mhc_expand",
+    "mhc_expand", "mhc_expand_collapse",
 )  # fmt: skip
 
 
@@ -127,6 +128,13 @@ def _check_all(x, site, head, y, eps=(1e-6, 1e-6, 20), min_equal=0.99) -> None:
         got = mhc_expand_triton(x, y, post, comb, y_add)
         _assert_stream_close(got, mhc_expand_ref(x, y, post, comb, y_add), f"expand y + y_add {what}", min_equal)
         assert_bitwise(got, mhc_expand_triton(x, y + y_add, post, comb), f"expand y_add vs y + y_add {what}")
+    # the expand with the collapse of what it writes (V4.1's next-site input): the expand kernel's streams and the
+    # collapse kernel's bits over them, by construction (the same roundings, the same order of the fp32 sums)
+    for y_add in (None, torch.randn_like(y)):
+        got, u2 = mhc_expand_collapse_triton(x, y, post, comb, pre, y_add)
+        assert_bitwise(got, mhc_expand_triton(x, y, post, comb, y_add), f"expand+collapse streams {what}")
+        assert_bitwise(u2, mhc_collapse_triton(got, pre), f"expand+collapse vs the two kernels {what}")
+        _assert_stream_close(u2, mhc_collapse_ref(got, pre), f"expand+collapse vs reference {what}", min_equal)
 
 
 def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), streams=True) -> None:
@@ -141,6 +149,7 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
         rows_ = (site[0][: x.shape[1]], site[1][: x.shape[1]], site[2][:1])
         p_full = mhc_pre_collapse_rms_norm_triton(x, *rows_, g, *eps[:2], 1e-6)
         o_full = mhc_expand_triton(x, y, full[1], full[2])
+        c_full = mhc_expand_collapse_triton(x, y, full[1], full[2], full[0])[1]
     t = x.shape[0]
     for r in rows:
         for size in sizes:
@@ -159,6 +168,8 @@ def _check_invariant(x, site, head, y, rows, sizes, eps=(1e-6, 1e-6, 20), stream
                 assert_bitwise(pcn[i], p_full[r], f"pre+collapse+norm {r}/{size}")
                 o = mhc_expand_triton(x[sl].clone(), y[sl].clone(), full[1][sl], full[2][sl])
                 assert_bitwise(o[i], o_full[r], f"expand {r}/{size}")
+                c = mhc_expand_collapse_triton(x[sl].clone(), y[sl].clone(), full[1][sl], full[2][sl], full[0][sl])
+                assert_bitwise(c[1][i], c_full[r], f"expand+collapse {r}/{size}")
 
 
 # ---- CPU, Triton interpreter (one child process) ----
@@ -258,12 +269,14 @@ def test_gpu_registry_and_sublayer(monkeypatch):
     assert resolve("mhc_collapse_rms_norm", "cuda") is mhc_collapse_rms_norm_triton
     assert resolve("mhc_pre_collapse_rms_norm", "cuda") is mhc_pre_collapse_rms_norm_triton_adaptive
     assert resolve("mhc_expand", "cuda") is mhc_expand_triton
+    assert resolve("mhc_expand_collapse", "cuda") is mhc_expand_collapse_triton
     set_batch_invariant(True)
     try:
         assert resolve("mhc_coefficients", "cuda") is mhc_coefficients_triton
         assert resolve("mhc_head_weights", "cuda") is mhc_head_weights_triton
         assert resolve("mhc_pre_collapse_rms_norm", "cuda") is mhc_pre_collapse_rms_norm_triton
         assert resolve("mhc_expand", "cuda") is mhc_expand_triton
+        assert resolve("mhc_expand_collapse", "cuda") is mhc_expand_collapse_triton
     finally:
         set_batch_invariant(None)
     out = mhc_same_site_sublayer(x, torch.tanh, params, cfg)

@@ -98,6 +98,12 @@ CANDIDATE_LANE = True
 # forked beside it get SMs first instead of waiting for the whole stream (``deepseek_v4.INDEX_LANE_FIRST``). H200,
 # pipelined ms, two alternating rounds in one lease (session 25): batch 1 2.342 -> 2.331 (4K), 2.368 -> 2.358 (32K).
 INDEX_LANE_FIRST = True
+# Each mHC site's expand also makes the next site's sublayer input (``mhc_expand_collapse`` + the next norm, in
+# place of ``mhc_collapse_rms_norm`` reading the new streams back): the FFN site's always, the next layer's unless
+# an Engram gate changes the streams in between (``Block.run_chained``). The same bits for bf16 streams. At prefill
+# sizes the collapse's read of the streams is 4x the [T, d] traffic of its output (8K prefill, H100, session 37:
+# 18 collapse + norm launches 2.8 ms). Off until timed on a GPU (session 39 had no device).
+EXPAND_COLLAPSE = False
 TRUNCATION_MODES = ("off", "mask", "compact")
 
 
@@ -725,24 +731,40 @@ class Block(MhcBlock):
 
     def run(self, x, pre_mix, attn_fn):
         """x [T, n, d], pre_mix [T, n]; attn_fn(normed input [T, d]) -> [T, d]. The two sites of
-        ``mhc_lagged_layer``, the FFN one through ``ffn_site``."""
-        x, pre = self.lagged_site(x, pre_mix, attn_fn, "attn", self.attn_norm)
+        ``mhc_lagged_layer``, the FFN one through ``ffn_site``: (streams, the next layer's pre_mix)."""
+        return self.run_chained(x, pre_mix, attn_fn)[:2]
+
+    def run_chained(self, x, pre_mix, attn_fn, attn_input=None, next_norm=None):
+        """``run`` in a chain of layers: (streams, the next layer's pre_mix, the next layer's attention input or
+        None). ``attn_input``: this layer's, ``self.attn_norm.collapse(x, pre_mix)``, when the layer before made it;
+        ``next_norm``: the next layer's attention norm, when nothing changes the streams between the two (no Engram
+        there). With EXPAND_COLLAPSE each site's expand makes the next site's input (``site_beside``'s next_norm):
+        the FFN site's here, and the next layer's when ``next_norm`` is given; without, the third item is None."""
+        fuse = EXPAND_COLLAPSE
+        x, pre, h = self.lagged_site(x, pre_mix, attn_fn, "attn", self.attn_norm, attn_input,
+                                     self.ffn_norm if fuse else None)  # fmt: skip
+        next_norm = next_norm if fuse else None
+        fn = self.ffn_site if next_norm is None else partial(self.ffn_site, next_norm=next_norm)
+        inputs = (x, pre) if h is None else (x, pre, h)
         if self.graphs is not None and self.graphs.applies(x):
-            return self.graphs.run(self, self.ffn_site, x, pre)
-        return self.ffn_site(x, pre)
+            return self.graphs.run((self, next_norm is not None), fn, *inputs)
+        return fn(*inputs)
 
-    def ffn_site(self, x: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streams x [T, n, d] and the attention site's pre [T, n] -> (streams, the next layer's pre_mix). Static
-        shapes and no host reads: CUDA-graph safe."""
-        return self.lagged_site(x, pre, lambda u: self.ffn(u, split=True), "ffn", self.ffn_norm)
+    def ffn_site(self, x, pre, ffn_input=None, next_norm=None):
+        """Streams x [T, n, d] and the attention site's pre [T, n] (and its ``ffn_input`` when the attention
+        site's expand made it) -> (streams, the next layer's pre_mix, the next layer's attention input when
+        ``next_norm`` is given, else None). Static shapes and no host reads: CUDA-graph safe."""
+        return self.lagged_site(x, pre, lambda u: self.ffn(u, split=True), "ffn", self.ffn_norm, ffn_input, next_norm)
 
-    def lagged_site(self, x, pre_mix, f, site: str, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def lagged_site(self, x, pre_mix, f, site: str, norm: Norm, sublayer_input=None, next_norm=None):
         """``mhc_lagged_site(x, pre_mix, f, self.mhc(site), self.hc, norm.fused)`` (the same ops, the same bits)
         with the site's coefficients on the side stream: they depend on x alone, and only the expand and the next
         site read them, so their latency-bound chain (mixes, Sinkhorn) runs beside the sublayer instead of before
-        it. ``f`` takes the normed collapse and returns the sublayer's output, or two addends of it (the expand
-        adds them: ``mhc_expand``'s y_add)."""
-        return self.site_beside(x, site, lambda: norm.collapse(x, pre_mix), f)
+        it. ``f`` takes the normed collapse (``sublayer_input`` when the site before made it) and returns the
+        sublayer's output, or two addends of it (the expand adds them: ``mhc_expand``'s y_add). Returns (streams,
+        pre, ``next_norm.collapse(streams, pre)`` or None)."""
+        made = (lambda: sublayer_input) if sublayer_input is not None else (lambda: norm.collapse(x, pre_mix))
+        return self.site_beside(x, site, made, f, next_norm=next_norm)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1001,13 +1023,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         where = list(range(x.shape[0]))  # each flat row's index among the rows still computed (-1: dropped)
         comp_inputs, comp_rows = None, None
         all_steps = steps
-        for block in self.layers:
+        h = None  # this layer's attention input, when the layer before made it (``Block.run_chained``)
+        for li, block in enumerate(self.layers):
             layer = block.layer
             if layer == cfg.n_prefill_layer and self.yoco_mode == "compact" and any(st.yoco_floor for st in steps):
                 # the boundary layer's compressor reads every row; everything else runs on kept rows only
-                comp_inputs, comp_rows = block.attn_norm.collapse(x, pre_mix), steps
+                comp_inputs, comp_rows = (block.attn_norm.collapse(x, pre_mix) if h is None else h), steps
                 keep, steps, where = _kept_rows(steps, dev)
                 x, pre_mix = x[keep], pre_mix[keep]
+                h = None if h is None else h[keep]
             if hasattr(block, "engram"):
                 e_ids = torch.cat([engram[i][layer] for i in range(len(steps))])
                 x = block.engram(x, e_ids)
@@ -1015,7 +1039,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 taps[layer] = x.float().mean(dim=1).to(x.dtype)
             boundary = comp_inputs is not None and layer == cfg.n_prefill_layer
             comp = (comp_inputs, comp_rows) if boundary else None
-            x, pre_mix = block.run(x, pre_mix, self._attention_step(block, steps, shared, comp))
+            attn_fn = self._attention_step(block, steps, shared, comp)
+            x, pre_mix, h = block.run_chained(x, pre_mix, attn_fn, h, self._next_attn_norm(li))
         # logits only for the rows asked for (a decode step needs one row per request, not S x 129280 floats)
         picked, sizes = [], []  # row ids built on the host: no device reads
         for i, st in enumerate(all_steps):
@@ -1044,6 +1069,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             )
             c.seq_len += chunk.shape[0]
         return outs
+
+    def _next_attn_norm(self, i: int) -> Norm | None:
+        """Layer i + 1's attention norm, for layer i to make that layer's input (``Block.run_chained``); None after
+        the last layer and before an Engram layer (its gate changes the streams first)."""
+        if i + 1 >= len(self.layers) or hasattr(self.layers[i + 1], "engram"):
+            return None
+        return self.layers[i + 1].attn_norm
 
     def plan_decode(
         self, chunks: list[torch.Tensor], caches: list[V41SequenceCache], prompt_lens: list[int | None] | None
@@ -1127,14 +1159,16 @@ class DeepseekV41ForCausalLM(nn.Module):
                 values = {e: engram_values(e) for e in local}
                 if history is not None:  # here too, off the step's end (after the LM head: ~6 us at batch 1)
                     write_lookback()
-        for block in self.layers:
+        h = None  # this layer's attention input, when the layer before made it (``Block.run_chained``)
+        for i, block in enumerate(self.layers):
             if hasattr(block, "engram"):
                 lane.join()
                 e = block.engram
                 x = e.inject(x, *(values[e] if e in values else engram_values(e)))
             if block.layer in cfg.dspark_target_layer_ids:
                 taps[block.layer] = x.float().mean(dim=1).to(x.dtype)
-            x, pre_mix = block.run(x, pre_mix, partial(block.attn.forward_decode, batch=batch, shared=shared))
+            attn_fn = partial(block.attn.forward_decode, batch=batch, shared=shared)
+            x, pre_mix, h = block.run_chained(x, pre_mix, attn_fn, h, self._next_attn_norm(i))
         if CANDIDATE_LANE:  # the candidate lane rejoins the main path before the step ends (a graph capture's rule)
             SideStream.of(x.device, "candidates").join()
             shared.pop("candidate_inputs", None)

@@ -27,6 +27,7 @@ from deepinfer_kernels import (
     mhc_coefficients,
     mhc_collapse_rms_norm,
     mhc_expand,
+    mhc_expand_collapse,
     moe_experts,
     rms_norm,
     rms_norm_rope,
@@ -395,16 +396,28 @@ class MhcBlock(nn.Module):
         )
 
     def site_beside(
-        self, x: torch.Tensor, site: str, sublayer_input: Callable[[], torch.Tensor], f: Callable, lane: str = "layer"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        site: str,
+        sublayer_input: Callable[[], torch.Tensor],
+        f: Callable,
+        lane: str = "layer",
+        next_norm: Norm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One mHC site with its coefficients made beside the sublayer, on side lane ``lane``: (pre, post, comb) =
         ``mhc_coefficients(x)`` there, meanwhile y = f(sublayer_input()) on the current stream (an input that does
         not wait for them: V4.1's lagged collapse, V4's ``mhc_pre_collapse_rms_norm``); returns (``mhc_expand`` of
-        y, or of y[0] + y[1] when f returns two addends (its y_add), pre)."""
+        y, or of y[0] + y[1] when f returns two addends (its y_add), pre, None). With ``next_norm`` (V4.1, where the
+        next site collapses the new streams with this site's pre), the third item is that site's sublayer input,
+        ``next_norm.collapse(streams, pre)``, made from the collapse the expand hands over
+        (``mhc_expand_collapse``) instead of reading the streams back: the same bits for bf16 streams."""
         side = SideStream.of(x.device, lane)
         with side.branch():
             pre, post, comb = mhc_coefficients(x, self.mhc(site), self.hc)
         y = f(sublayer_input())
         side.join()
         y, y_add = y if isinstance(y, tuple) else (y, None)
-        return mhc_expand(x, y, post, comb, y_add=y_add), pre
+        if next_norm is None:
+            return mhc_expand(x, y, post, comb, y_add=y_add), pre, None
+        streams, u = mhc_expand_collapse(x, y, post, comb, pre, y_add=y_add)
+        return streams, pre, next_norm(u)

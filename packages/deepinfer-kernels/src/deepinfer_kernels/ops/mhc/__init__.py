@@ -131,6 +131,18 @@ def mhc_collapse_rms_norm(
     return dispatch("mhc_collapse_rms_norm", x.device, x, weights, norm_weight, float(eps))
 
 
+def _check_expand(op: str, x, y, post, comb, y_add) -> None:
+    t, n, d = _check_streams(x, op)
+    if tuple(y.shape) != (t, d):
+        raise ValueError(f"{op}: y {tuple(y.shape)} != ({t}, {d})")
+    if tuple(post.shape) != (t, n):
+        raise ValueError(f"{op}: post {tuple(post.shape)} != ({t}, {n})")
+    if tuple(comb.shape) != (t, n, n):
+        raise ValueError(f"{op}: comb {tuple(comb.shape)} != ({t}, {n}, {n})")
+    if y_add is not None and (y_add.shape != y.shape or y_add.dtype != y.dtype):
+        raise ValueError(f"{op}: y_add {y_add.dtype}{tuple(y_add.shape)} != y {y.dtype}{tuple(y.shape)}")
+
+
 def mhc_expand(
     x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -147,16 +159,35 @@ def mhc_expand(
     Returns:
         [T, n, d] in x.dtype.
     """
-    t, n, d = _check_streams(x, "mhc_expand")
-    if tuple(y.shape) != (t, d):
-        raise ValueError(f"mhc_expand: y {tuple(y.shape)} != ({t}, {d})")
-    if tuple(post.shape) != (t, n):
-        raise ValueError(f"mhc_expand: post {tuple(post.shape)} != ({t}, {n})")
-    if tuple(comb.shape) != (t, n, n):
-        raise ValueError(f"mhc_expand: comb {tuple(comb.shape)} != ({t}, {n}, {n})")
-    if y_add is not None and (y_add.shape != y.shape or y_add.dtype != y.dtype):
-        raise ValueError(f"mhc_expand: y_add {y_add.dtype}{tuple(y_add.shape)} != y {y.dtype}{tuple(y.shape)}")
+    _check_expand("mhc_expand", x, y, post, comb, y_add)
     return dispatch("mhc_expand", x.device, x, y, post, comb, y_add)
+
+
+def mhc_expand_collapse(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    weights: torch.Tensor,
+    y_add: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mhc_expand`` and the collapse of its result in one op: (out, ``mhc_collapse(out, weights)``).
+
+    For V4.1's lagged wiring, where the next site's collapse weights (this site's ``pre``) are known before this
+    site's expand: the collapse is made from the streams while they are being written, not read back (at prefill
+    sizes the streams are 4x the sublayer's [T, d] traffic). The Triton backend gives the two ops' bits.
+
+    Args:
+        x, y, post, comb, y_add: as ``mhc_expand``; weights: [T, n] (as ``mhc_collapse``).
+
+    Returns:
+        (out [T, n, d], collapsed [T, d]), both in x.dtype.
+    """
+    t, n, _ = _check_streams(x, "mhc_expand_collapse")
+    if tuple(weights.shape) != (t, n):
+        raise ValueError(f"mhc_expand_collapse: weights {tuple(weights.shape)} != ({t}, {n})")
+    _check_expand("mhc_expand_collapse", x, y, post, comb, y_add)
+    return dispatch("mhc_expand_collapse", x.device, x, y, post, comb, weights, y_add)
 
 
 def _check_pre_params(
@@ -322,6 +353,7 @@ __all__ = [
     "mhc_collapse",
     "mhc_collapse_rms_norm",
     "mhc_expand",
+    "mhc_expand_collapse",
     "mhc_head_weights",
     "mhc_initial_pre_mix",
     "mhc_lagged_layer",

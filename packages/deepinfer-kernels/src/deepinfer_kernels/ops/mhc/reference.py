@@ -80,6 +80,19 @@ def mhc_expand_ref(
     return (expanded + mixed).to(x.dtype)
 
 
+@register_reference("mhc_expand_collapse")
+def mhc_expand_collapse_ref(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    weights: torch.Tensor,
+    y_add: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = mhc_expand_ref(x, y, post, comb, y_add)
+    return out, mhc_collapse_ref(out, weights)
+
+
 @register_reference("mhc_head_weights")
 def mhc_head_weights_ref(
     x: torch.Tensor,

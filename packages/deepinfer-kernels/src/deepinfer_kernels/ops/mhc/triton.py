@@ -30,8 +30,10 @@ tokens with tilings for their size (shorter chunks and token tiles, ``ADAPTIVE_M
 on which tier T falls in, so it is not registered batch-invariant.
 
 ``mhc_collapse`` / ``mhc_expand``: one program per (token, BLOCK_D columns), fp32 arithmetic, one cast at the
-store; purely elementwise per token, hence batch-invariant too. ``mhc_collapse_rms_norm``: one program per token,
-the collapse then the RMSNorm with ``rms_norm``'s tiling (for bf16 streams bitwise the two ops in a row).
+store; purely elementwise per token, hence batch-invariant too. ``mhc_expand_collapse``: the expand kernel, each
+program also collapsing the streams it stores (their rounded values, ``_collapsed``'s order): the two kernels' bits.
+``mhc_collapse_rms_norm``: one program per token, the collapse then the RMSNorm with ``rms_norm``'s tiling (for bf16
+streams bitwise the two ops in a row).
 ``mhc_pre_collapse_rms_norm``: the mixes of the n pre rows (kernel 1 above, as ``mhc_head_weights``), then one
 program per token that makes pre from its partials (the epilogue's arithmetic, ``_site_logits``) and the collapse
 + RMSNorm with it; batch-invariant with the invariant tiling, like the other two-launch ops.
@@ -274,8 +276,8 @@ def _pre_collapse_rms_norm_kernel(
 
 @triton.jit
 def _expand_kernel(
-    x_ptr, y_ptr, y_add_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, NP: tl.constexpr,
-    HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
+    x_ptr, y_ptr, y_add_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, u_ptr, D, N: tl.constexpr, NP: tl.constexpr,
+    HAS_ADD: tl.constexpr, HAS_COLLAPSE: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
 ):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -295,8 +297,18 @@ def _expand_kernel(
         ya = tl.load(y_add_ptr + t * D + cols, mask=ok, other=0.0)
         y = (y.to(tl.float32) + ya.to(tl.float32)).to(y_ptr.dtype.element_ty)
     acc += post[:, None] * y.to(tl.float32)[None, :]
+    o = acc.to(out_ptr.dtype.element_ty)
     dst = out_ptr + (t * N + k[:, None]) * D + cols[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ok[None, :])
+    tl.store(dst, o, mask=k_ok[:, None] & ok[None, :])
+    if HAS_COLLAPSE:
+        # the collapse of the streams just stored (``_collapsed``'s arithmetic on their rounded values): each row
+        # picked out of the tile by a sum of itself and zeros (exact), weighted and added in stream order
+        of = o.to(tl.float32)
+        u = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in tl.static_range(N):
+            wj = tl.load(w_ptr + t * N + j).to(tl.float32)
+            u += wj * tl.sum(tl.where(k[:, None] == j, of, 0.0), axis=0)
+        tl.store(u_ptr + t * D + cols, u.to(u_ptr.dtype.element_ty), mask=ok)
 
 
 def _split(k: int, chunk: int | None = None) -> int:
@@ -450,21 +462,41 @@ def mhc_pre_collapse_rms_norm_triton(
     return out
 
 
+def _expand_into(x, y, post, comb, y_add, weights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The expanded streams and, given collapse ``weights`` [T, n], their collapse [T, d] (one launch)."""
+    require_same_device(x, y, post, comb, *(t for t in (y_add, weights) if t is not None))
+    t, n, d = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    u = None if weights is None else torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out, u
+    y = y.contiguous()
+    w = weights.contiguous() if weights is not None else post  # dummy pointers when absent (never read)
+    _expand_kernel[(t, triton.cdiv(d, BLOCK_D))](
+        x.contiguous(), y, y if y_add is None else y_add.contiguous(), post.contiguous(), comb.contiguous(), out,
+        w, out if u is None else u, d, N=n, NP=triton.next_power_of_2(n), HAS_ADD=y_add is not None,
+        HAS_COLLAPSE=weights is not None, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS, **pdl_options(x.device),
+    )  # fmt: skip
+    return out, u
+
+
 def mhc_expand_triton(
     x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y_add: torch.Tensor | None = None
 ) -> torch.Tensor:
-    require_same_device(x, y, post, comb, *([] if y_add is None else [y_add]))
-    t, n, d = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if out.numel() == 0:
-        return out
-    y = y.contiguous()
-    _expand_kernel[(t, triton.cdiv(d, BLOCK_D))](
-        x.contiguous(), y, y if y_add is None else y_add.contiguous(), post.contiguous(), comb.contiguous(), out, d,
-        N=n, NP=triton.next_power_of_2(n), HAS_ADD=y_add is not None, BLOCK_D=BLOCK_D, num_warps=ELEM_WARPS,
-        **pdl_options(x.device),
-    )  # fmt: skip
-    return out
+    return _expand_into(x, y, post, comb, y_add, None)[0]
+
+
+def mhc_expand_collapse_triton(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    weights: torch.Tensor,
+    y_add: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expand kernel, which also collapses each program's streams with ``weights`` before it ends: for bf16
+    streams bitwise ``mhc_expand`` then ``mhc_collapse``, without the second kernel's read of the streams."""
+    return _expand_into(x, y, post, comb, y_add, weights)  # type: ignore[return-value]
 
 
 def mhc_coefficients_triton_adaptive(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
@@ -491,6 +523,7 @@ for _op, _fn in (
     ("mhc_collapse_rms_norm", mhc_collapse_rms_norm_triton),
     ("mhc_pre_collapse_rms_norm", mhc_pre_collapse_rms_norm_triton),
     ("mhc_expand", mhc_expand_triton),
+    ("mhc_expand_collapse", mhc_expand_collapse_triton),
 ):
     register_backend(
         _op, "triton", _fn, devices=("cuda",), priority=20, available=triton_cuda_available, batch_invariant=True
