@@ -21,6 +21,12 @@ Prefill at batch > 1 runs where the estimate from the batch-1 rate fits ``--pref
 configuration that does not run says why. Issue 7: with batch invariance on, one request's logits alone vs
 inside a batch of requests of other lengths (V4.1 slice, real shapes), compared bitwise.
 
+Routing: the random top-k routers' selection biases (0.5 x N(0, 1), wider than the scores' spread) send most
+tokens to the few experts they favour (~90 of V4.1's 384 take a batch-256 step's rows), which flatters the expert
+GEMMs (few, tall experts) and shrinks a decode step's expert bytes; ``--routing balanced`` first sets them as a
+trained model's load balancing does (``model_slice.balance_routers_``: every expert near the mean load). The JSON
+records which ran (``routing``).
+
 Weights today are bf16 (the model dequantises at load): the V4.1 slice's routed experts (384 x 2304 x 5120,
 27 GB per layer in bf16) are one tensor pair shared by its 8 layers (``--v41-experts``) so that it fits one
 GPU; a decode step still reads each hit expert from HBM. Floors are given for the format as run (bf16) and
@@ -781,6 +787,14 @@ def main(argv: list[str] | None = None) -> dict:
         choices=("none", "fp8+fp4"),
         help="keep weights quantised in the model (FP8/MXFP8 dense, MXFP4 experts) and use the GEMM ops",
     )
+    p.add_argument(
+        "--routing",
+        default="random-bias",
+        choices=("random-bias", "balanced"),
+        help="the top-k routers' selection biases as drawn (0.5 x N(0, 1): most tokens go to the few experts they "
+        "favour) or balanced as a trained model's are (model_slice.balance_routers_: every expert near the mean load)",
+    )
+    p.add_argument("--balance-tokens", type=int, default=8192, help="tokens of each --routing balanced round")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-invariance", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps from CUDA graphs")
@@ -850,12 +864,20 @@ def main(argv: list[str] | None = None) -> dict:
                     cfg, dev, dtype, experts=args.v41_experts, quant=args.quant, yoco_mode="compact",
                     engram_host=args.engram == "host",
                 )  # fmt: skip
+            routing = {"mode": args.routing}
+            if args.routing == "balanced":  # before any graph is captured
+                t0 = time.perf_counter()
+                routing["max_over_mean"] = ms.balance_routers_(model, tokens=64 if args.tiny else args.balance_tokens)
+                routing["seconds"] = time.perf_counter() - t0
+                log(f"{label}: routers balanced, worst layer's max / mean expert load by round:",
+                    " ".join(f"{r:.2f}" for r in routing["max_over_mean"]))  # fmt: skip
             if args.cuda_graphs:
                 model.enable_cuda_graphs(max(args.batches))
             acct = Accounting(model, arch)
             held = {id(q): q for q in [*model.parameters(), *model.buffers()]}
             nbytes = sum(t.numel() * t.element_size() for t in held.values())
             results.setdefault(label, {"prefill": [], "decode": [], "notes": []})["weights_GB"] = nbytes / 1e9
+            results[label]["routing"] = routing
             log(
                 f"{label}: {cfg.num_hidden_layers} layers, {nbytes / 1e9:.1f} GB of weights on {dev}"
                 + (f", experts {args.v41_experts}" if arch == "v4.1" else "")
@@ -954,6 +976,12 @@ def print_table(res: dict) -> None:
         print("V4 logits vs transformers (same weights):", res["v4_logits_vs_transformers"])
     if "v41_batch_invariance" in res:
         print("V4.1 batch invariance (alone vs in a batch, bitwise per step):", res["v41_batch_invariance"])
+    for label in ("v41_ours", "v4_ours"):
+        routing = res.get(label, {}).get("routing")
+        if routing:
+            last = routing.get("max_over_mean") or []
+            tail = f" (worst layer max / mean load {last[-1]:.2f})" if last else ""
+            print(f"{label} routing: {routing['mode']}{tail}")
     for label in ("v41_ours", "v4_ours", "v4_transformers"):
         for note in res.get(label, {}).get("notes", []):
             print(f"{label}: {note}")

@@ -48,15 +48,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_model_slice import PAGE_TOKENS, decode_step, pipelined, prefill, rand_ids, sync, tiny_dims  # noqa: E402
 
 
-def _build(arch: str, dev: str, tiny: bool, quant: str = "none"):
+def _build(arch: str, dev: str, tiny: bool, quant: str = "none", routing: str = "random-bias"):
+    """The slice ``gpu_model_slice.py`` runs, with its routers as drawn or balanced (its ``--routing``)."""
     from deepinfer_runtime.testing import model_slice as ms
 
     dims = tiny_dims(arch) if tiny else {}
     dtype = torch.float32 if tiny else torch.bfloat16
     if arch == "v4":
-        return ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct", quant=quant)
-    cfg = ms.v41_slice_config(engram_vocab_size=100 if tiny else 200_000, **dims)
-    return ms.build_random_model(cfg, dev, dtype, experts="shared", quant=quant, yoco_mode="compact")
+        model = ms.build_random_model(ms.v4_slice_config(**dims), dev, dtype, experts="distinct", quant=quant)
+    else:
+        cfg = ms.v41_slice_config(engram_vocab_size=100 if tiny else 200_000, **dims)
+        model = ms.build_random_model(cfg, dev, dtype, experts="shared", quant=quant, yoco_mode="compact")
+    if routing == "balanced":
+        ratios = ms.balance_routers_(model, tokens=64 if tiny else 8192)
+        print(f"{arch}: routers balanced, worst layer's max / mean expert load {ratios[-1]:.2f}", flush=True)
+    return model
 
 
 def _summary(prof, steps: int, top: int, shapes: bool = False) -> dict:
@@ -270,6 +276,9 @@ def main() -> None:
         choices=("none", "fp8+fp4"),
         help="weights kept quantised in the model, as gpu_model_slice.py --quant",
     )
+    ap.add_argument(
+        "--routing", default="random-bias", choices=("random-bias", "balanced"), help="as gpu_model_slice.py"
+    )
     ap.add_argument("--out", type=Path, default=Path("profile_step.json"))
     ap.add_argument(
         "--set", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a tuning constant (tuning_overrides)"
@@ -284,7 +293,7 @@ def main() -> None:
 
     dev, gen, results = args.device, torch.Generator().manual_seed(0), {}
     for arch in args.models.split(","):
-        model = _build(arch, dev, args.tiny, args.quant)
+        model = _build(arch, dev, args.tiny, args.quant, args.routing)
         if args.phase == "prefill":
             ids = rand_ids(args.context, dev, gen)
 

@@ -58,6 +58,39 @@ def test_random_v41_slice_runs_and_clone_state_is_independent(experts):
     assert torch.equal(a, b) and cache.seq_len == copy.seq_len == 41
 
 
+def _loads(model, ids) -> list[torch.Tensor]:
+    """Each top-k router's expert loads over one forward of ids (YOCO off: every layer sees every row)."""
+    gates = [m for m in model.modules() if type(m).__name__ == "Gate" and hasattr(m, "bias")]
+    seen = {}
+    hooks = [g.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o[1])) for k, g in enumerate(gates)]
+    mode, model.yoco_mode = getattr(model, "yoco_mode", None), "off"
+    try:
+        model.forward_step([ids], [model.new_cache()], logit_rows=[torch.tensor([ids.shape[0] - 1])])
+    finally:
+        model.yoco_mode = mode
+        for h in hooks:
+            h.remove()
+    return [torch.bincount(seen[k].reshape(-1).long(), minlength=g.bias.numel()).float() for k, g in enumerate(gates)]
+
+
+@pytest.mark.parametrize("arch", ["v4.1", "v4"])
+def test_balance_routers_spreads_the_load(arch):
+    """The random biases send most rows to few experts; balancing moves every top-k router's bias until each
+    expert's load is near the mean (checked on tokens it never saw), and leaves the hash router alone."""
+    if arch == "v4.1":
+        model = ms.build_random_model(ms.v41_slice_config(engram_vocab_size=100, **V41_TINY), "cpu", torch.float32)
+    else:
+        model = ms.build_random_model(ms.v4_slice_config(**V4_TINY, vocab_size=4096), "cpu", torch.float32)
+    fresh = torch.randint(3, 4000, (256,), generator=torch.Generator().manual_seed(5))
+    hashed = [m.tid2eid.clone() for m in model.modules() if hasattr(m, "tid2eid")]
+    before = max(float(x.max() / x.mean()) for x in _loads(model, fresh))
+    ratios = ms.balance_routers_(model, tokens=256, iters=20)
+    after = max(float(x.max() / x.mean()) for x in _loads(model, fresh))
+    assert len(ratios) == 20 and before > 1.8 and after < 1.6 and after < before / 1.4, (before, after, ratios)
+    assert all(torch.equal(a, m.tid2eid) for a, m in zip(hashed, (m for m in model.modules() if hasattr(m, "tid2eid"))))
+    assert (arch == "v4") == bool(hashed)
+
+
 def test_transformers_over_the_same_weights_matches_ours():
     pytest.importorskip("transformers")
     raw = ms.v4_slice_raw(**V4_TINY)

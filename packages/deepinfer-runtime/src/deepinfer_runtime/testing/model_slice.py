@@ -11,6 +11,9 @@ caches replicated by value, and transformers' V4 model built over the same weigh
 * ``build_random_model(cfg)``: the model with random weights (same conventions as ``tiny_checkpoint``). The
   routed experts are made separately (``experts="distinct"`` per layer, or ``"shared"``: one stacked tensor
   pair used by every layer, so that a bf16 slice with V4.1's 384 x 2304 experts fits one GPU).
+* ``balance_routers_(model)``: the top-k routers' selection biases set as DeepSeek's auxiliary-loss-free balancing
+  trains them (each expert's bias moved against its load's excess), so that the random weights route tokens the
+  way a trained model's balanced routers do instead of onto the few experts a random bias favours.
 * ``clone_state(cache)``: a deep copy of a request cache with every tensor compacted (``.clone()``);
   ``replicate_cache(cache, n, ...)``: n copies laid out like the engine's requests (one slot pool, paged rows).
 * ``hf_v4_sharing_weights(model, raw)``: transformers' ``DeepseekV4ForCausalLM`` whose parameters are our
@@ -32,8 +35,10 @@ from deepinfer_kernels.ops.engram import compressed_token_map  # noqa: F401  (re
 from torch import nn
 
 from deepinfer_runtime.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_runtime.models.deepseek_v4 import Gate as V4Gate
 from deepinfer_runtime.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_runtime.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer_runtime.models.deepseek_v41 import Gate as V41Gate
 from deepinfer_runtime.models.deepseek_v41_config import DeepseekV41Config
 from deepinfer_runtime.models.layers import Experts, quantize_weights_
 
@@ -334,6 +339,65 @@ def build_random_model(
     if quant != "none":
         quantize_weights_(model, 32 if is_v41 else 128, experts=True)
     return model.eval()
+
+
+@torch.no_grad()
+def balance_routers_(
+    model: nn.Module, tokens: int = 2048, iters: int = 24, step: float = 0.3, decay: float = 0.85, seed: int = 0
+) -> list[float]:
+    """Set every top-k router's selection bias (``gate.bias``: the checkpoint's ``e_score_correction_bias``, added
+    to the scores only to choose the experts) as DeepSeek's auxiliary-loss-free load balancing trains it: ``iters``
+    forwards of ``tokens`` random token ids (a fresh request each; every layer on every row: YOCO truncation off
+    meanwhile), after each every expert's bias moves by the current step against the sign of its load's excess
+    over the mean (an overloaded expert down, an idle one up), the step shrinking by ``decay`` each round so the
+    signs' oscillation dies out. Hash-routed layers (no bias) are left alone.
+
+    Why: ``build_random_model`` draws the biases at random (0.5 x N(0, 1), larger than the spread of the scores),
+    which sends nearly every token to the few experts with the largest bias (the V4.1 slice: ~90 of 384 experts
+    take all 1536 rows of a batch-256 decode step), unlike a trained model, whose biases exist to spread the load.
+    Expert GEMMs over few, tall experts run nearer the tensor-core rate and a decode step reads fewer experts, so
+    benchmarks should say which routing they ran.
+
+    Returns the worst layer's max / mean expert load after each round (1.0: perfectly even)."""
+    gates = [m for m in model.modules() if isinstance(m, (V4Gate, V41Gate)) and hasattr(m, "bias")]
+    if not gates:
+        return []
+    counts: dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def fn(_mod, _inp, out):
+            ids = out[1].reshape(-1).long()
+            counts[i] = counts.get(i, 0) + torch.bincount(ids, minlength=gates[i].bias.numel())[: gates[i].bias.numel()]
+
+        return fn
+
+    handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
+    dev = gates[0].bias.device
+    gen = torch.Generator().manual_seed(seed)
+    yoco = getattr(model, "yoco_mode", None)
+    top = min(model.cfg.vocab_size, 129000)  # below the special ids (an image token would be refused)
+    ratios = []
+    try:
+        if yoco is not None:
+            model.yoco_mode = "off"
+        for _ in range(iters):
+            counts.clear()
+            ids = torch.randint(3, top, (tokens,), generator=gen)
+            model.forward_step([ids.to(dev)], [model.new_cache()], logit_rows=[torch.tensor([tokens - 1])])
+            worst = 0.0
+            for i, g in enumerate(gates):
+                load = counts[i].float()
+                mean = load.mean()
+                g.bias.sub_(step * torch.sign(load - mean))
+                worst = max(worst, float(load.max() / mean))
+            ratios.append(worst)
+            step *= decay
+    finally:
+        for h in handles:
+            h.remove()
+        if yoco is not None:
+            model.yoco_mode = yoco
+    return ratios
 
 
 # ----------------------------------------------------------------------------------------------------------
