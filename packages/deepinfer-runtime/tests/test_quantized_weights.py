@@ -86,8 +86,8 @@ def test_project_quantises_x_once_per_fp8_block(monkeypatch):
     x = torch.randn(2, 3, 256).to(torch.bfloat16)
     want = [m(x) for m in lins]
     calls = []
-    real = layers.act_quant_fp8
-    monkeypatch.setattr(layers, "act_quant_fp8", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = layers.quantize_fp8_activations
+    monkeypatch.setattr(layers, "quantize_fp8_activations", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     got = project(x, lins, [None] * 4)
     assert sorted(calls) == [32, 128], "one quantisation per block size"
     for i, (g, w) in enumerate(zip(got, want)):

@@ -17,7 +17,12 @@ from deepinfer_kernels.ops.engram import (
     engram_rows_in_place,
     engram_table_primes,
 )
-from deepinfer_kernels.ops.fp8_gemm import fp8_gemm_nt
+from deepinfer_kernels.ops.fp8_gemm import (
+    Fp8Activations,
+    fp8_gemm_activations,
+    fp8_gemm_nt,
+    quantize_fp8_activations,
+)
 from deepinfer_kernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_gather
 from deepinfer_kernels.ops.grouped_linear import grouped_linear
 from deepinfer_kernels.ops.indexer import candidate_block_mask, indexer_scores, indexer_scores_paged, indexer_topk
@@ -134,7 +139,10 @@ __all__ = [
     "linear_many",
     "ROW_TILE",
     "apply_token_bitmask",
+    "Fp8Activations",
+    "fp8_gemm_activations",
     "fp8_gemm_nt",
+    "quantize_fp8_activations",
     "moe_permute",
     "moe_sort",
     "moe_sort_rows",

@@ -420,3 +420,77 @@ def test_gpu_act_quant_bitwise(block):
     q_ref, s_ref = reference("act_quant_fp8")(x, block)
     assert_bitwise(s, s_ref, "scales")
     assert_bitwise(q.view(torch.uint8), q_ref.view(torch.uint8), "codes")
+
+
+def _activation_operands(m, n, k, block, seed, device="cpu", scale_fmt="ue8m0"):
+    """bf16 activations x [m, k] whose magnitudes vary by powers of two across blocks (a zero row and a tiny block
+    included: the scale's floor) and e4m3 weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-8, 6, (m, k // block), generator=g).repeat_interleave(
+        block, 1
+    )
+    x[0] = 0
+    x[-1, :block] = 1e-30
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b, sb = fp8_block_quantize(w.to(device), (block, block), scale_fmt)
+    return x.to(device=device, dtype=torch.bfloat16), b, sb
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])
+def test_fp8_activations_forms_give_the_e4m3_bits(scale_fmt):
+    """``quantize_fp8_activations`` / ``fp8_gemm_activations``: on the CPU the e4m3 form, ``fp8_gemm_nt`` of
+    ``act_quant_fp8`` bitwise; the bf16 form (what prefill-size CUDA calls get) holds the same numbers
+    (``fake_quant_fp8_ue8m0`` = the dequantised e4m3), and its GEMM is the dequant route's own call on them, so it
+    has that route's bits (float weight scales: back to e4m3, the same bits as the e4m3 form)."""
+    from deepinfer_kernels.ops.fp8_gemm import Fp8Activations, fp8_gemm_activations, quantize_fp8_activations
+    from deepinfer_kernels.ops.fp8_gemm.dequant_mm import fp8_gemm_nt_dequant_mm
+    from deepinfer_kernels.ops.quant import act_dequant_fp8, fake_quant_fp8_ue8m0
+
+    block, (n, k) = 32, (96, 256)
+    x, b, sb = _activation_operands(40, n, k, block, seed=3, scale_fmt=scale_fmt)
+    act = quantize_fp8_activations(x, block)
+    assert act.values is None and act.q.dtype == torch.float8_e4m3fn and act.scale.dtype == E8M0
+    q, s = act_quant_fp8(x, block, E8M0)
+    assert_bitwise(act.q.view(torch.uint8), q.view(torch.uint8), "e4m3 form: values")
+    want = fp8_gemm_nt(q, s, b, sb, block)
+    assert_bitwise(fp8_gemm_activations(act, b, sb), want, "e4m3 form: GEMM")
+    values = fake_quant_fp8_ue8m0(x, block)
+    assert_bitwise(values, act_dequant_fp8(q, s, block, torch.bfloat16), "bf16 form: the dequantised e4m3")
+    got = fp8_gemm_activations(Fp8Activations(block, values=values), b, sb)  # bf16 out (CPU torch.mm has no fp32)
+    if scale_fmt == "ue8m0":
+        assert_bitwise(got, fp8_gemm_nt_dequant_mm(q, s, b, sb, block), "bf16 form: dequant route")
+        assert_rel_close(got, reference("fp8_gemm_nt")(q, s, b, sb, block), 1e-2, "bf16 form: ref")
+    else:
+        assert_bitwise(got, fp8_gemm_nt(q, s, b, sb, block), "bf16 form, float scales: e4m3 route")
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_gemm_activations(Fp8Activations(block, values=values[:, :-block]), b, sb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", V41_SHAPES[:4])
+def test_gpu_fp8_activations_route(shape, monkeypatch):
+    """On CUDA (bf16 x, 32-blocks): from DEQUANT_MM_FROM_M rows the bf16 form (one fake-quant launch instead of
+    act_quant + the dequant route's act_dequant), bitwise ``fp8_gemm_nt(*act_quant_fp8(x))``; below it, in
+    batch-invariant mode and with forced references the e4m3 form."""
+    from deepinfer_kernels.ops.fp8_gemm import activations, fp8_gemm_activations, gluon, quantize_fp8_activations
+    from deepinfer_kernels.registry import set_batch_invariant
+
+    monkeypatch.setattr(activations, "BF16_FORM", True)
+    monkeypatch.setattr(gluon, "DEQUANT_MM_FROM_M", 1027)
+    n, k = shape
+    x, b, sb = _activation_operands(1027, n, k, 32, seed=n + k, device="cuda")
+    for rows, bf16_form in ((1027, True), (1026, False)):
+        act = quantize_fp8_activations(x[:rows], 32)
+        assert (act.values is not None) == bf16_form, rows
+        want = fp8_gemm_nt(*act_quant_fp8(x[:rows], 32, E8M0), b, sb, 32)
+        assert_bitwise(fp8_gemm_activations(act, b, sb), want, f"{rows} rows x {shape}")
+    set_batch_invariant(True)
+    try:
+        assert quantize_fp8_activations(x, 32).values is None
+    finally:
+        set_batch_invariant(None)
+    monkeypatch.setenv("DEEPINFER_FORCE_REFERENCE", "1")
+    assert quantize_fp8_activations(x, 32).values is None
+    monkeypatch.delenv("DEEPINFER_FORCE_REFERENCE")
+    monkeypatch.setattr(activations, "BF16_FORM", False)
+    assert quantize_fp8_activations(x, 32).values is None

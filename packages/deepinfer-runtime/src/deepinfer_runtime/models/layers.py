@@ -14,13 +14,13 @@ from contextlib import contextmanager
 
 import torch
 from deepinfer_kernels import (
+    Fp8Activations,
     MhcConfig,
     MhcParams,
     Mxfp4Experts,
-    act_quant_fp8,
     fp8_block_dequantize,
     fp8_block_quantize,
-    fp8_gemm_nt,
+    fp8_gemm_activations,
     gather_rows,
     linear,
     linear_many,
@@ -29,6 +29,7 @@ from deepinfer_kernels import (
     mhc_expand,
     mhc_expand_collapse,
     moe_experts,
+    quantize_fp8_activations,
     rms_norm,
     rms_norm_rope,
     rope_interleaved,
@@ -63,7 +64,8 @@ class Linear(nn.Module):
     """Holds ``weight`` [out, in] under the checkpoint's name; y = x W^T in x's dtype, row-invariant.
 
     After ``quantize_fp8_(block)`` it holds ``qweight`` (FP8 e4m3) and ``scale`` (UE8M0 per block x block) and
-    computes y = fp8_gemm_nt(act_quant_fp8(x, block), W): activations quantised per 1 x block, fp32 accumulation.
+    computes y = fp8_gemm_nt(act_quant_fp8(x, block), W): activations quantised per 1 x block, fp32 accumulation
+    (``quantize_fp8_activations`` / ``fp8_gemm_activations``: at prefill sizes the same numbers in bf16).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
@@ -96,18 +98,15 @@ class Linear(nn.Module):
             return linear(x, self.weight)
         return self.from_quantized(x, self.quantize_input(x))
 
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An FP8 Linear's activation quantisation of x [..., in]: (e4m3 [rows, in], UE8M0 scales [rows, in /
-        block]); FP8 Linears of one block size reading the same x can share it (``project``)."""
-        rows = x.reshape(-1, x.shape[-1])
-        # UE8M0 activation scales: the same powers of two in a quarter of the bytes, and a dtype fp8_gemm_nt can
-        # trust to be powers of two (its bf16 routes dequantise exactly only then)
-        return act_quant_fp8(rows, self.block, scale_dtype=torch.float8_e8m0fnu)
+    def quantize_input(self, x: torch.Tensor) -> Fp8Activations:
+        """An FP8 Linear's activation quantisation of x [..., in] per 1 x block with UE8M0 scales, in the form its
+        GEMM reads (``quantize_fp8_activations``: e4m3 + scales, or at prefill sizes the same numbers in bf16);
+        FP8 Linears of one block size reading the same x can share it (``project``)."""
+        return quantize_fp8_activations(x.reshape(-1, x.shape[-1]), self.block)
 
-    def from_quantized(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def from_quantized(self, x: torch.Tensor, quantized: Fp8Activations) -> torch.Tensor:
         """This FP8 Linear of x from ``quantize_input(x)``: [..., out] in x's dtype."""
-        a, a_scale = quantized
-        y = fp8_gemm_nt(a, a_scale, self.qweight, self.scale, self.block, out_dtype=x.dtype)
+        y = fp8_gemm_activations(quantized, self.qweight, self.scale, out_dtype=x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -117,7 +116,7 @@ def project(x: torch.Tensor, linears: list[Linear], out_dtypes: list[torch.dtype
     the plain weights in one ``linear_many`` call, which at decode sizes streams them all in one launch."""
     plain = [i for i, (m, dt) in enumerate(zip(linears, out_dtypes)) if m.block is None or dt is not None]
     outs: list[torch.Tensor | None] = [None] * len(linears)
-    quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> act_quant_fp8 of x
+    quantized: dict[int, Fp8Activations] = {}  # block -> the quantised x
     for i, m in enumerate(linears):
         if i not in plain:
             if m.block not in quantized:

@@ -6,6 +6,9 @@ Two scale layouts, selected by ``block``:
   128 x 128 tile (``fp8_block_quantize(w, (128, 128))``);
 * ``block=32`` (V4.1 MXFP8 dense weights): A one scale per 1 x 32 group (``act_quant_fp8(x, 32)``), B one
   UE8M0 scale per 32 x 32 tile (the checkpoint's ``X.scale``).
+
+A linear layer of high-precision x: ``quantize_fp8_activations`` then ``fp8_gemm_activations`` (``activations.py``;
+one quantisation may serve several weights), which hands prefill-size calls their activations already in bf16.
 """
 
 from __future__ import annotations
@@ -85,4 +88,6 @@ try:  # the decode-size kernel in Gluon (Triton >= 3.4)
 except ImportError:
     pass
 
-__all__ = ["fp8_gemm_nt"]
+from .activations import Fp8Activations, fp8_gemm_activations, quantize_fp8_activations  # noqa: E402
+
+__all__ = ["Fp8Activations", "fp8_gemm_activations", "fp8_gemm_nt", "quantize_fp8_activations"]

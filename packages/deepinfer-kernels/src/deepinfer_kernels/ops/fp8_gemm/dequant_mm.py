@@ -30,13 +30,17 @@ def fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block=128, out_dtype=torch.bf
     """``fp8_gemm_nt`` as dequantise + ``torch.mm`` (see the module docstring); fp32 and fp16 outputs come from
     fp32 GEMM outputs (one rounding)."""
     k = a.shape[-1]
-    n = b.shape[0]
     lead = a.shape[:-1]
     a2 = a.reshape(-1, k)
     x = act_dequant_fp8(a2, a_scale.reshape(a2.shape[0], -1), block, torch.bfloat16)
+    y = dequant_mm_bf16(x, b, b_scale, block, out_dtype)
+    return y.reshape(*lead, b.shape[0])
+
+
+def dequant_mm_bf16(x, b, b_scale, block, out_dtype=torch.bfloat16):
+    """The GEMM half of ``fp8_gemm_nt_dequant_mm``: x [M, K] bf16 (dequantised activations) times the dequantised
+    weights b [N, K] (e4m3, ``b_scale`` UE8M0 per block x block), one cuBLAS GEMM: [M, N] in ``out_dtype``."""
     w = fp8_block_dequantize(b, b_scale, (block, block), torch.bfloat16)
     if out_dtype == torch.bfloat16:
-        y = torch.mm(x, w.t())
-    else:
-        y = torch.mm(x, w.t(), out_dtype=torch.float32).to(out_dtype)
-    return y.reshape(*lead, n)
+        return torch.mm(x, w.t())
+    return torch.mm(x, w.t(), out_dtype=torch.float32).to(out_dtype)

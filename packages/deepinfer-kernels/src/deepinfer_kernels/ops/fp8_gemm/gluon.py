@@ -197,6 +197,12 @@ def _split(n: int, k: int) -> int:
     return k_split(-(-n // BLOCK_N), k // step, programs_per_sm=PROGRAMS_PER_SM, min_steps=256 // step, max_split=16)
 
 
+def dequant_mm_route(m: int, block: int) -> bool:
+    """Whether calls of m rows with ``block`` scales (UE8M0 on both operands) go to ``dequant_mm`` (also asked by
+    ``activations.py``, which then makes the bf16 activations directly)."""
+    return DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and block in DEQUANT_MM_BLOCKS
+
+
 def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat16):
     """``fp8_gemm_nt`` for MXFP8 (block 32) at M <= GLUON_MAX_M; with UE8M0 scales on both sides the bf16 routes
     (BF16_MAX_M, DEQUANT_MM_FROM_M); other sizes, block 128 and K % 128 != 0: the Triton kernel."""
@@ -208,8 +214,7 @@ def fp8_gemm_nt_gluon(a, a_scale, b, b_scale, block=128, out_dtype=torch.bfloat1
     exact_bf16 = is_ue8m0(a_scale) and is_ue8m0(b_scale)  # the bf16 routes' condition (dequant_mm.py)
     if exact_bf16 and GLUON_MAX_M < m <= BF16_MAX_M and k % BF16_BK == 0:
         return fp8_gemm_nt_triton_bf16(a, a_scale, b, b_scale, block, out_dtype)
-    dequant_mm_on = DEQUANT_MM_FROM_M is not None and m >= DEQUANT_MM_FROM_M and block in DEQUANT_MM_BLOCKS
-    if exact_bf16 and dequant_mm_on and n > 0:
+    if exact_bf16 and dequant_mm_route(m, block) and n > 0:
         return fp8_gemm_nt_dequant_mm(a, a_scale, b, b_scale, block, out_dtype)
     if block != 32 or m > GLUON_MAX_M or k % 128 or m == 0 or n == 0:
         return fp8_gemm_nt_triton(a, a_scale, b, b_scale, block, out_dtype)
