@@ -76,7 +76,8 @@ def _loads(model, ids) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch", ["v4.1", "v4"])
 def test_balance_routers_spreads_the_load(arch):
     """The random biases send most rows to few experts; balancing moves every top-k router's bias until each
-    expert's load is near the mean (checked on tokens it never saw), and leaves the hash router alone."""
+    expert's load is near the mean, the busiest and the least busy (checked on tokens it never saw: tiny V4.1 2.67
+    -> 1.32 / 0.75, V4 3.42 -> 1.28 / 0.83), and leaves the hash router alone."""
     if arch == "v4.1":
         model = ms.build_random_model(ms.v41_slice_config(engram_vocab_size=100, **V41_TINY), "cpu", torch.float32)
     else:
@@ -85,8 +86,10 @@ def test_balance_routers_spreads_the_load(arch):
     hashed = [m.tid2eid.clone() for m in model.modules() if hasattr(m, "tid2eid")]
     before = max(float(x.max() / x.mean()) for x in _loads(model, fresh))
     ratios = ms.balance_routers_(model, tokens=256, iters=20)
-    after = max(float(x.max() / x.mean()) for x in _loads(model, fresh))
-    assert len(ratios) == 20 and before > 1.8 and after < 1.6 and after < before / 1.4, (before, after, ratios)
+    loads = _loads(model, fresh)
+    after = max(float(x.max() / x.mean()) for x in loads)
+    least = min(float(x.min() / x.mean()) for x in loads)  # no expert left idle
+    assert len(ratios) == 20 and before > 2.5 and after < 1.45 and least > 0.6, (before, after, least, ratios)
     assert all(torch.equal(a, m.tid2eid) for a, m in zip(hashed, (m for m in model.modules() if hasattr(m, "tid2eid"))))
     assert (arch == "v4") == bool(hashed)
 

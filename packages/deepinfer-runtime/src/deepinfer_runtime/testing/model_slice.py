@@ -343,14 +343,17 @@ def build_random_model(
 
 @torch.no_grad()
 def balance_routers_(
-    model: nn.Module, tokens: int = 2048, iters: int = 24, step: float = 0.3, decay: float = 0.85, seed: int = 0
+    model: nn.Module, tokens: int = 2048, iters: int = 32, step: float = 0.1, decay: float = 0.95, seed: int = 0
 ) -> list[float]:
     """Set every top-k router's selection bias (``gate.bias``: the checkpoint's ``e_score_correction_bias``, added
-    to the scores only to choose the experts) as DeepSeek's auxiliary-loss-free load balancing trains it: ``iters``
-    forwards of ``tokens`` random token ids (a fresh request each; every layer on every row: YOCO truncation off
-    meanwhile), after each every expert's bias moves by the current step against the sign of its load's excess
-    over the mean (an overloaded expert down, an idle one up), the step shrinking by ``decay`` each round so the
-    signs' oscillation dies out. Hash-routed layers (no bias) are left alone.
+    to the scores only to choose the experts) the way DeepSeek's auxiliary-loss-free load balancing trains it, each
+    expert's bias moved against its load's excess: ``iters`` forwards of ``tokens`` random token ids (a fresh
+    request each; every layer on every row: YOCO truncation off meanwhile), after each every bias moves by
+    -step * log((load + 1) / (mean + 1)), clipped to +-0.3, the step shrinking by ``decay`` a round. (The trainer's
+    fixed-size sign step needs thousands of rounds; a proportional step gets to the sampling noise in a few dozen.
+    At V4.1's router shapes, 384 experts x 6 of 8192 random normed rows, from a worst max / mean load of 36-64 to
+    1.32-1.35 and a least-loaded expert at 0.70-0.73 of the mean, also when the rows share a strong common
+    direction, where a decaying sign step left experts idle.) Hash-routed layers (no bias) are left alone.
 
     Why: ``build_random_model`` draws the biases at random (0.5 x N(0, 1), larger than the spread of the scores),
     which sends nearly every token to the few experts with the largest bias (the V4.1 slice: ~90 of 384 experts
@@ -358,7 +361,7 @@ def balance_routers_(
     Expert GEMMs over few, tall experts run nearer the tensor-core rate and a decode step reads fewer experts, so
     benchmarks should say which routing they ran.
 
-    Returns the worst layer's max / mean expert load after each round (1.0: perfectly even)."""
+    Returns the worst layer's max / mean expert load in each round, before its update (1.0: perfectly even)."""
     gates = [m for m in model.modules() if isinstance(m, (V4Gate, V41Gate)) and hasattr(m, "bias")]
     if not gates:
         return []
@@ -388,7 +391,7 @@ def balance_routers_(
             for i, g in enumerate(gates):
                 load = counts[i].float()
                 mean = load.mean()
-                g.bias.sub_(step * torch.sign(load - mean))
+                g.bias.sub_(torch.clamp(step * torch.log((load + 1) / (mean + 1)), -0.3, 0.3))
                 worst = max(worst, float(load.max() / mean))
             ratios.append(worst)
             step *= decay
