@@ -59,15 +59,13 @@ def test_random_v41_slice_runs_and_clone_state_is_independent(experts):
 
 
 def _loads(model, ids) -> list[torch.Tensor]:
-    """Each top-k router's expert loads over one forward of ids (YOCO off: every layer sees every row)."""
+    """Each top-k router's expert loads over one forward of ids (no prompt length: every layer sees every row)."""
     gates = [m for m in model.modules() if type(m).__name__ == "Gate" and hasattr(m, "bias")]
     seen = {}
     hooks = [g.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o[1])) for k, g in enumerate(gates)]
-    mode, model.yoco_mode = getattr(model, "yoco_mode", None), "off"
     try:
         model.forward_step([ids], [model.new_cache()], logit_rows=[torch.tensor([ids.shape[0] - 1])])
     finally:
-        model.yoco_mode = mode
         for h in hooks:
             h.remove()
     return [torch.bincount(seen[k].reshape(-1).long(), minlength=g.bias.numel()).float() for k, g in enumerate(gates)]

@@ -348,7 +348,7 @@ def balance_routers_(
     """Set every top-k router's selection bias (``gate.bias``: the checkpoint's ``e_score_correction_bias``, added
     to the scores only to choose the experts) the way DeepSeek's auxiliary-loss-free load balancing trains it, each
     expert's bias moved against its load's excess: ``iters`` forwards of ``tokens`` random token ids (a fresh
-    request each; every layer on every row: YOCO truncation off meanwhile), after each every bias moves by
+    request each, no prompt length: no YOCO truncation, every layer on every row), after each every bias moves by
     -step * log((load + 1) / (mean + 1)), clipped to +-0.3, the step shrinking by ``decay`` a round. (The trainer's
     fixed-size sign step needs thousands of rounds; a proportional step gets to the sampling noise in a few dozen.
     At V4.1's router shapes, 384 experts x 6 of 8192 random normed rows, from a worst max / mean load of 36-64 to
@@ -370,19 +370,16 @@ def balance_routers_(
     def hook(i):
         def fn(_mod, _inp, out):
             ids = out[1].reshape(-1).long()
-            counts[i] = counts.get(i, 0) + torch.bincount(ids, minlength=gates[i].bias.numel())[: gates[i].bias.numel()]
+            counts[i] = counts.get(i, 0) + torch.bincount(ids, minlength=gates[i].bias.numel())
 
         return fn
 
     handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
     dev = gates[0].bias.device
     gen = torch.Generator().manual_seed(seed)
-    yoco = getattr(model, "yoco_mode", None)
     top = min(model.cfg.vocab_size, 129000)  # below the special ids (an image token would be refused)
     ratios = []
     try:
-        if yoco is not None:
-            model.yoco_mode = "off"
         for _ in range(iters):
             counts.clear()
             ids = torch.randint(3, top, (tokens,), generator=gen)
@@ -398,8 +395,6 @@ def balance_routers_(
     finally:
         for h in handles:
             h.remove()
-        if yoco is not None:
-            model.yoco_mode = yoco
     return ratios
 
 

@@ -24,6 +24,11 @@ from deepinfer_kernels.registry import resolve
 from . import fp8_gemm_nt
 from .dequant_mm import dequant_mm_bf16
 
+try:  # the Gluon backend, whose dequant route the bf16 form feeds (absent with older Triton or none)
+    from . import gluon as _gluon
+except ImportError:
+    _gluon = None
+
 
 @dataclass(frozen=True)
 class Fp8Activations:
@@ -45,13 +50,10 @@ BF16_FORM = False
 def _bf16_route(x: torch.Tensor, block: int) -> bool:
     """Whether ``fp8_gemm_nt`` of x's rows runs on bf16 operands here: the Gluon backend is the one chosen for the
     device and sends such calls to ``dequant_mm`` (its DEQUANT_MM_FROM_M / DEQUANT_MM_BLOCKS, read at call time)."""
-    if not BF16_FORM or not x.is_cuda or x.dtype != torch.bfloat16:
+    if not BF16_FORM or _gluon is None or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    try:
-        from . import gluon
-    except ImportError:  # no Gluon (older Triton): the Triton kernel serves every size
-        return False
-    return resolve("fp8_gemm_nt", x.device) is gluon.fp8_gemm_nt_gluon and gluon.dequant_mm_route(x.shape[0], block)
+    # the row count first: decode-size calls (every step's hot path) stop before the registry lookup
+    return _gluon.dequant_mm_route(x.shape[0], block) and resolve("fp8_gemm_nt", x.device) is _gluon.fp8_gemm_nt_gluon
 
 
 def quantize_fp8_activations(x: torch.Tensor, block: int) -> Fp8Activations:
