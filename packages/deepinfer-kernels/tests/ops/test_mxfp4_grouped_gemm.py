@@ -218,7 +218,7 @@ INTERPRETED = {
 test_triton_interpreted = needs_triton(interpreted_cases_test(__file__, INTERPRETED))
 
 
-def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool) -> tuple[str, int]:
+def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool, fold: bool = False) -> tuple[str, int]:
     """The Gluon kernel compiled for sm_90 (PTX, not run: Gluon has no interpreter) as its launch specialises it."""
     import triton
     from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
@@ -232,7 +232,7 @@ def _gluon_ptx_sm90(sorted_rows: bool, fuse: bool) -> tuple[str, int]:
     }  # fmt: skip
     cfg = backend.SORTED_CFG if sorted_rows else backend.GATHER_CFG
     meta = dict(SORTED=sorted_rows, FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, HAS_INDEX=fuse,
-                BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"])  # fmt: skip
+                BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"], NUM_WARPS=cfg["num_warps"], FOLD=fold)  # fmt: skip
     sig.update(dict.fromkeys(meta, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     src = GluonASTSource(fn=backend._expert_rows_kernel, signature=sig, constexprs=meta, attrs=attrs)
@@ -256,8 +256,35 @@ def test_gluon_kernel_compiles_for_sm90(sorted_rows, fuse):
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
-@pytest.mark.parametrize("fuse", [True, False])
-def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
+@pytest.mark.parametrize("sorted_rows", [False, True])
+def test_gluon_fold_halves_the_multiplies(sorted_rows):
+    """With FOLD the unpack multiplies each bf16 pair once (by 2^(s-1)) instead of twice (2^126, then 2^(s-127)):
+    half the ``mul.rn.bf16x2`` of a step, still no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    two, _ = _gluon_ptx_sm90(sorted_rows, True)
+    one, _ = _gluon_ptx_sm90(sorted_rows, True, fold=True)
+    assert one.count("mul.rn.bf16x2") * 2 == two.count("mul.rn.bf16x2") > 0
+    assert "0x7E807E80" not in one and ".local" not in one
+
+
+def test_fold_ok_reads_the_scales_once():
+    """``fold_ok``: True when every scale byte is at most 128, False with one above; kept on the tensor until it
+    changes in place (its version moves)."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon_common import FOLD_MAX_SCALE, fold_ok
+
+    _, s = make_weights(2, 16, 64, seed=5)
+    assert fold_ok(s) and s._deepinfer_fold_ok == (s._version, True)
+    s.view(torch.uint8)[1, 3, 1] = FOLD_MAX_SCALE
+    assert fold_ok(s), "a byte of 128 still folds (2^127 is a finite bf16)"
+    s.view(torch.uint8)[1, 3, 1] = FOLD_MAX_SCALE + 1
+    assert not fold_ok(s), "the in-place change is seen"
+    s.view(torch.uint8)[1, 3, 1] = 120
+    assert fold_ok(s)
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
+@pytest.mark.parametrize("fuse, fold", [(True, False), (False, False), (True, True)])
+def test_gluon_wgmma_kernel_compiles_for_sm90(fuse, fold):
     """The wgmma kernel lowers for sm_90 with its register A operand relabelled, not shuffled (no shared memory
     but the two x tiles and the epilogue's exchange), weights in 64-bit loads, x in 128-bit ones, no spills, and
     ptxas keeps a step's wgmma in one group (a wait after the loop made it wait after each wgmma). Fused as the
@@ -273,7 +300,7 @@ def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
         "r0_ptr": "*i32", "r1_ptr": "*i32", "index_ptr": "*i64", "N_OUT": "i32", "K": "i32", "limit": "fp32",
     }  # fmt: skip
     cfg = backend.WGMMA_CFG
-    meta = dict(backend.wgmma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=not fuse, HAS_INDEX=fuse)
+    meta = dict(backend.wgmma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=not fuse, HAS_INDEX=fuse, FOLD=fold)
     sig.update(dict.fromkeys(meta, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     src = GluonASTSource(fn=backend._expert_rows_wgmma_kernel, signature=sig, constexprs=meta, attrs=attrs)
@@ -291,8 +318,12 @@ def test_gluon_wgmma_kernel_compiles_for_sm90(fuse):
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not importable")
-@pytest.mark.parametrize("fuse, tn", [(True, 128), (False, 128), (True, 32), (False, 64), (True, 16)])
-def test_gluon_tma_kernel_compiles_for_sm90(fuse, tn):
+@pytest.mark.parametrize(
+    "fuse, tn, fold",
+    [(True, 128, False), (False, 128, False), (True, 32, False), (False, 64, False), (True, 16, False),
+     (True, 128, True), (False, 128, True)],
+)  # fmt: skip
+def test_gluon_tma_kernel_compiles_for_sm90(fuse, tn, fold):
     """The TMA kernel lowers for sm_90, at its 128-row x tiles and the tail tiles' widths: x tiles by TMA (no x
     loads from global in the main loop), weights in 64-bit loads, the register A operand relabelled rather than
     moved through shared memory (the only shared-memory loads are the epilogue's exchange), no spills, and ptxas
@@ -312,7 +343,7 @@ def test_gluon_tma_kernel_compiles_for_sm90(fuse, tn):
         "rs_ptr": "*fp32", "tile_e_ptr": "*i32", "r0_ptr": "*i32", "r1_ptr": "*i32", "N_OUT": "i32", "K": "i32",
         "limit": "fp32",
     }  # fmt: skip
-    meta = dict(backend.tma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse)
+    meta = dict(backend.tma_meta(cfg), FUSE=fuse, HAS_LIMIT=fuse, HAS_RS=fuse, FOLD=fold)
     sig.update(dict.fromkeys(meta, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(1, 10)}
     src = GluonASTSource(fn=backend._expert_rows_tma_kernel, signature=sig, constexprs=meta, attrs=attrs)
@@ -419,6 +450,43 @@ def test_gpu_gather_gluon_real_shapes(v41_experts, t):
                                                   swiglu_limit=LIMIT, row_index=torch.zeros(6, dtype=torch.long,
                                                   device="cuda"), row_scale=weights.flatten()[last])  # fmt: skip
     assert_bitwise(one, h[last], f"gluon gather: token {t - 1} alone vs among {t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 2048])
+def test_gpu_fold_gives_the_same_bits(v41_experts, t, monkeypatch):
+    """The folded unpack (one multiply a pair) against two multiplies, gathered and sorted layouts (at 2048 tokens
+    all four kernels: 8-row, wgmma, TMA and its tails), gate/up and down: the same bits (the products are the same
+    exact values); a scale byte above 128 keeps two multiplies."""
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon as backend
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm import gluon_common
+    from deepinfer_kernels.ops.mxfp4_grouped_gemm.gluon_common import fold_ok
+
+    w13, s13, w2, s2 = v41_experts
+    assert fold_ok(s13) and fold_ok(s2)
+    x, experts, weights = _tokens(t, seed=300 + t)
+    ids = experts.flatten()
+    order = torch.argsort(ids, stable=True)
+    offsets = torch.zeros(EXPERTS + 1, dtype=torch.int64, device="cuda")
+    offsets[1:] = torch.cumsum(torch.bincount(ids, minlength=EXPERTS), 0)
+    rows = order // TOP_K
+    pairs = torch.arange(t * TOP_K, device="cuda") // TOP_K
+    swiglu = dict(fuse_swiglu=True, swiglu_limit=LIMIT)
+    outs = {}
+    for fold in (False, True):
+        monkeypatch.setattr(gluon_common, "FOLD", fold)
+        g = backend.mxfp4_grouped_gemm_gather_gluon(x, w13, s13, ids, row_index=pairs, **swiglu)
+        h = backend.mxfp4_grouped_gemm_gluon(x, w13, s13, offsets, row_index=rows, **swiglu)
+        y = backend.mxfp4_grouped_gemm_gluon(h, w2, s2, offsets, out_dtype=torch.float32)
+        outs[fold] = (g, h, y)
+    for name, a, b in zip(("gather gate/up", "sorted gate/up", "sorted down"), outs[False], outs[True]):
+        assert_bitwise(b, a, f"fold vs two multiplies: {name}, {t} tokens")
+    big = s2.clone()
+    big.view(torch.uint8)[ids[0], 0, 0] = 129  # an expert the rows use: the byte is read
+    assert not fold_ok(big)
+    y_big = backend.mxfp4_grouped_gemm_gluon(h, w2, big, offsets, out_dtype=torch.float32)  # FOLD is on here
+    monkeypatch.setattr(gluon_common, "FOLD", False)
+    assert_bitwise(y_big, backend.mxfp4_grouped_gemm_gluon(h, w2, big, offsets, out_dtype=torch.float32), "byte 129")
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue, expert_ou
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedules
 from deepinfer_kernels.registry import register_backend
 
-from .gluon_common import expert_weight_rows, load_unpacked
+from .gluon_common import expert_weight_rows, fold_for, load_unpacked
 from .gluon_tma import tma_rows_into, tma_supported, tma_tile_specs
 from .gluon_wgmma import wgmma_rows_into, wgmma_tile_spec
 from .triton import (
@@ -73,9 +73,9 @@ def _x_layout(bkh, num_warps):
 
 
 @gluon.jit
-def _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc):
+def _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc, FOLD: gl.constexpr):
     """acc + (rows of one expert, packed byte columns k0 .. k0 + BKH) . x: w_rows / s_rows the row pointers."""
-    lo, hi = load_unpacked(w_rows, s_rows, k0, kh)
+    lo, hi = load_unpacked(w_rows, s_rows, k0, kh, FOLD)
     acc = mma_v2(lo, x_even, acc)
     return mma_v2(hi, x_odd, acc)
 
@@ -106,13 +106,13 @@ def _expert_rows_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, expert_ptr, index_ptr, r0_ptr, r1_ptr, N_OUT, K, limit, RPI,
     SORTED: gl.constexpr, FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     HAS_INDEX: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PDL: gl.constexpr = False,
+    FOLD: gl.constexpr = False, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows) of one expert
     against up to 8 rows of x, the MMA's 8 B columns. SORTED: p is a tile slot (``expert_tile_schedule``:
     expert_ptr / r0_ptr / r1_ptr give its expert (-1: empty) and rows [r0, r1), at most 8; row r reads x[r], with
     HAS_INDEX x[index_ptr[r]]); else p is a gathered row (expert_ptr[p], input row index_ptr[p] with HAS_INDEX,
-    else p // RPI) in all 8 columns, column 0 stored."""
+    else p // RPI) in all 8 columns, column 0 stored. FOLD: one multiply a weight pair (``gluon_common.fold_ok``)."""
     pdl_prologue(PDL)  # a triton.jit helper: Gluon calls it
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -148,7 +148,7 @@ def _expert_rows_kernel(
             x_even, x_odd = x_pairs.split()
             x_even = gl.convert_layout(x_even, LB, assert_trivial=True)
             x_odd = gl.convert_layout(x_odd, LB, assert_trivial=True)
-            acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc)
+            acc = _rows_dot(w_rows, s_rows, k0, kh, x_even, x_odd, acc, FOLD)
         if FUSE:
             EPI: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
             g, u = gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, 8]), [0, 2, 3, 1]).split()
@@ -234,7 +234,8 @@ def _launch(grid, x, w, w_scale, out, row_scale, experts, index, r0, r1, n_out, 
         experts, index, r0, r1, n_out, x.shape[1], float(swiglu_limit) if swiglu_limit is not None else 0.0,
         rows_per_input, SORTED=sorted_rows, FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None,
         HAS_RS=row_scale is not None, HAS_INDEX=index is not experts, BLOCK_N=cfg["BLOCK_N"], BKH=cfg["BKH"],
-        NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"], **pdl_options(xs.device),
+        NUM_WARPS=cfg["num_warps"], FOLD=fold_for(w_scale), num_warps=cfg["num_warps"],
+        **pdl_options(xs.device),
     )  # fmt: skip
     return out
 

@@ -4,12 +4,15 @@
   that hold them, by bit moves in inline PTX (4 bytes -> 8 values in 14 integer ops): sign to bit 15, the 3
   magnitude bits to bits 6..8 make the bf16 2^-126 * value (0.5 is a bf16 subnormal), then two exact bf16
   multiplies, by 2^126 and by the block's scale 2^(s-127). Scale bytes 0 and 255 are outside what the multiply
-  honours (the block becomes zero / inf instead of 2^-127 / NaN).
+  honours (the block becomes zero / inf instead of 2^-127 / NaN). With FOLD (where ``fold_ok``: every scale byte
+  at most 128, as in every MXFP4 checkpoint) one multiply by 2^(s-1) does both: the same exact products, a
+  quarter fewer instructions in the unpack.
 * The same from int32 words (``load_words``, ``unpack_words``): a kernel that carries loaded weights across loop
   steps (prefetch) holds a uint8 tensor one byte a register and repacks every byte; a word is one register.
 * The weight rows of a program, with the fused gate/up interleave (``expert_weight_rows``), and the epilogue of
   the wgmma kernels' swapped accumulators (``store_swapped``)."""
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -18,26 +21,45 @@ from deepinfer_kernels.ops.grouped_gemm.triton import expert_epilogue
 # $4: 4 packed bytes; $5, $6: 4 bf16 scales (two per register) -> $0 $1: the 4 low nibbles, $2 $3: the 4 high
 # nibbles, as bf16 pairs. t = [0, b0, 0, b1] puts a low nibble's magnitude 2 bits above bits 6..8 and its sign 4
 # below bit 15; a high nibble's magnitude 6 above, its sign already at 15 (masked: bit 8 of t is a low-nibble bit).
-_UNPACK_SCALED = gl.constexpr("""{
-.reg .b32 t, a, b;
+_BITS = """.reg .b32 t, a, b;
 prmt.b32 t, $4, 0, 0x1404;
 shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $0, a, b, 0x81C081C0, 0xA8;
 shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $2, a, b, 0x01C001C0, 0xEC;
 prmt.b32 t, $4, 0, 0x3424;
 shr.b32 a, t, 2; shl.b32 b, t, 4; lop3.b32 $1, a, b, 0x81C081C0, 0xA8;
 shr.b32 a, t, 6; and.b32 b, t, 0x80008000; lop3.b32 $3, a, b, 0x01C001C0, 0xEC;
-mov.b32 a, 0x7E807E80;
+"""
+_TIMES_2_126 = """mov.b32 a, 0x7E807E80;
 mul.rn.bf16x2 $0, $0, a; mul.rn.bf16x2 $1, $1, a; mul.rn.bf16x2 $2, $2, a; mul.rn.bf16x2 $3, $3, a;
-mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6; mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
-}""")
+"""
+_TIMES_SCALE = """mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6;
+mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
+"""
+_UNPACK_SCALED = gl.constexpr("{\n" + _BITS + _TIMES_2_126 + _TIMES_SCALE + "}")
+# The same with the 2^126 folded into the scale (one multiply a pair instead of two): ``scale`` is then 2^(s-1), a
+# normal bf16 only for scale bytes s <= 128 (``fold_ok``); the products are the same exact values, so the bits
+# match the two-multiply form wherever both apply.
+_UNPACK_FOLDED = gl.constexpr("{\n" + _BITS + _TIMES_SCALE + "}")
 
 
 @gluon.jit
-def unpack_scaled(packed, scale):
-    """(low nibbles, high nibbles) of uint8 ``packed`` as bf16 E2M1 values times the bf16 ``scale`` (same shape)."""
+def unpack_scaled(packed, scale, FOLD: gl.constexpr = False):
+    """(low nibbles, high nibbles) of uint8 ``packed`` as bf16 E2M1 values times the bf16 ``scale`` (same shape);
+    FOLD: ``scale`` already holds the 2^126 of the subnormal-safe bit placement (``scale_bits``)."""
     return gl.inline_asm_elementwise(
-        _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-    )
+        _UNPACK_FOLDED if FOLD else _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [packed, scale],
+        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@gluon.jit
+def scale_bits(s, FOLD: gl.constexpr = False):
+    """uint8 block scale bytes s -> the bf16 multiplier: 2^(s-127), or with FOLD 2^(s-1) (2^126 folded in; valid
+    for s <= 128)."""
+    e = s.to(gl.int32) & 0xFF
+    if FOLD:
+        e = e + 126
+    return (e << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
 
 
 @gluon.jit
@@ -70,24 +92,59 @@ def load_words(w_rows, s_rows, k0, kw):
 
 
 @gluon.jit
-def unpack_words(words, s):
-    """``load_words``' words as (low nibbles, high nibbles) in bf16, [rows, BKH] each, byte order."""
-    b = (s.to(gl.int32) & 0xFF) << 7  # bf16 bits of 2^(s-127)
+def unpack_words(words, s, FOLD: gl.constexpr = False):
+    """``load_words``' words as (low nibbles, high nibbles) in bf16, [rows, BKH] each, byte order (FOLD: as
+    ``unpack_scaled``)."""
+    e = s.to(gl.int32) & 0xFF
+    if FOLD:
+        e = e + 126
+    b = e << 7  # bf16 bits of 2^(s-127), FOLD 2^(s-1)
     pair = b | (b << 16)  # the word's four bytes share a block: one scale pair for both halves
     l01, l23, h01, h23 = gl.inline_asm_elementwise(
-        _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [words, pair, pair], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-    )
+        _UNPACK_FOLDED if FOLD else _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [words, pair, pair], dtype=(gl.int32,) * 4,
+        is_pure=True, pack=1,
+    )  # fmt: skip
     return _bytes_order(l01, l23), _bytes_order(h01, h23)
 
 
 @gluon.jit
-def load_unpacked(w_rows, s_rows, k0, kh):
+def load_unpacked(w_rows, s_rows, k0, kh, FOLD: gl.constexpr = False):
     """Packed byte columns k0 + kh of the weight rows at ``w_rows`` (row pointers; ``s_rows`` their scale rows, a
-    byte per 16 packed bytes) as (low nibbles, high nibbles) in bf16, [rows, BKH] each in kh's parent layout."""
+    byte per 16 packed bytes) as (low nibbles, high nibbles) in bf16, [rows, BKH] each in kh's parent layout.
+    FOLD: one multiply a pair (callers pass it only where ``fold_ok`` holds for the scales)."""
     packed = gl.load(w_rows[:, None] + (k0 + kh)[None, :])
     s = gl.load(s_rows[:, None] + ((k0 + kh) // 16)[None, :])  # equal addresses in a thread are merged
-    scale = ((s.to(gl.int32) & 0xFF) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # 2^(s-127)
-    return unpack_scaled(packed, scale)
+    return unpack_scaled(packed, scale_bits(s, FOLD), FOLD)
+
+
+FOLD_MAX_SCALE = 128  # the largest scale byte whose folded multiplier 2^(s-1) is a finite bf16
+# Unpack with one bf16 multiply a weight pair (the scale as 2^(s-1)) in every Gluon MXFP4 kernel where the scale
+# bytes allow it (``fold_ok``): the same bits as two multiplies. Off until its GPU test
+# (``test_gpu_fold_gives_the_same_bits``) and a timed A/B have run (session 40: no device left for them). Why it
+# should pay: on the H200 the decode kernel runs at 55-59% of copy and only ~10% faster than on the H100 (1267
+# against 1393 us, V4.1 gate/up at 64 tokens), so it is bound by its instructions, and the unpack is most of them
+# (22 of ~26 a 4-byte word; this takes 4 of the 22 away).
+FOLD = False
+
+
+def fold_ok(w_scale: torch.Tensor) -> bool:
+    """Whether every block scale byte of ``w_scale`` is at most FOLD_MAX_SCALE (block scales up to 2, as every
+    MXFP4 checkpoint's weights have), so the kernels may unpack with one multiply a pair. Read once per tensor and
+    version (one device sync: the weights are loaded once, then read by every step) and kept on the tensor; a
+    tensor first met inside a CUDA graph capture, where no sync may run, takes the two-multiply form."""
+    memo = getattr(w_scale, "_deepinfer_fold_ok", None)
+    if memo is not None and memo[0] == w_scale._version:
+        return memo[1]
+    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = bool((w_scale.view(torch.uint8) <= FOLD_MAX_SCALE).all())
+    w_scale._deepinfer_fold_ok = (w_scale._version, ok)
+    return ok
+
+
+def fold_for(w_scale: torch.Tensor) -> bool:
+    """The FOLD constexpr of a launch over ``w_scale``."""
+    return FOLD and fold_ok(w_scale)
 
 
 @gluon.jit

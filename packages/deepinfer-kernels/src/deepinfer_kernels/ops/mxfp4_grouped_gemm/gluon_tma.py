@@ -49,6 +49,7 @@ from deepinfer_kernels.ops.grouped_tiles import TileSpec, expert_tile_schedules,
 
 from .gluon_common import (
     expert_weight_rows,
+    fold_for,
     load_words,
     relabel_k,
     store_swapped,
@@ -111,14 +112,14 @@ def _issue_x(x_desc, bars, xe_s, xo_s, step, row0, BKH: gl.constexpr):
 
 @gluon.jit
 def _step(acc, packed, s, step, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, row0,
-          LA: gl.constexpr, BKH: gl.constexpr):  # fmt: skip
+          LA: gl.constexpr, BKH: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
     """One K step: the weight bytes of step + 2 requested, this step's unpacked and multiplied (wgmma left in
     flight), the previous step's wgmma retired and its stage refilled. Returns (acc, packed, scales) of the step
     requested."""
     STAGES: gl.constexpr = xe_s.shape[0]
     nxt = gl.minimum(step + 2, n_steps - 1)  # the last two steps reload the last (never used)
     packed_n, s_n = load_words(w_rows, s_rows, nxt * BKH, kw)
-    lo, hi = unpack_words(packed, s)
+    lo, hi = unpack_words(packed, s, FOLD)
     a_lo = gl.convert_layout(relabel_k(lo), LA)
     a_hi = gl.convert_layout(relabel_k(hi), LA)
     slot = step % STAGES
@@ -138,7 +139,7 @@ def _expert_rows_tma_kernel(
     x_desc, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, N_OUT, K, limit,
     FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr,
     TN: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PDL: gl.constexpr = False,
+    FOLD: gl.constexpr = False, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (pid_n, slot p): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows, interleaved by 8)
     of tile p's expert against its rows [r0, r1) (at most TN; ``expert_tile_schedule``, expert -1: empty slot).
@@ -173,8 +174,12 @@ def _expert_rows_tma_kernel(
         pa, sa = load_words(w_rows, s_rows, 0, kw)
         pb, sb = load_words(w_rows, s_rows, BKH, kw)
         for i in range(0, n_steps, 2):  # n_steps is even
-            acc, pa, sa = _step(acc, pa, sa, i, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH)
-            acc, pb, sb = _step(acc, pb, sb, i + 1, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH)
+            acc, pa, sa = _step(
+                acc, pa, sa, i, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH, FOLD
+            )
+            acc, pb, sb = _step(
+                acc, pb, sb, i + 1, n_steps, w_rows, s_rows, kw, x_desc, bars, xe_s, xo_s, r0, LA, BKH, FOLD
+            )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -253,6 +258,7 @@ def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, tail_rows=No
     w8, s8 = w.contiguous().view(torch.uint8), w_scale.contiguous().view(torch.uint8)
     base = dict(TMA_CFG, **TMA_FUSED_CFG) if fuse_swiglu else TMA_CFG
     cols = base["BLOCK_N"] // 2 if fuse_swiglu else base["BLOCK_N"]
+    fold = fold_for(w_scale)
     for spec, (tile_e, r0, r1, slots) in zip(specs, lists, strict=True):
         if slots == 0:  # a tail list of a call without an expert past one tile
             continue
@@ -260,7 +266,7 @@ def tma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, tail_rows=No
         _expert_rows_tma_kernel[(triton.cdiv(n_out, cols), slots)](
             x_descriptor(x_rel, cfg), w8, s8, out, rs, tile_e, r0, r1, n_out, k,
             float(swiglu_limit) if swiglu_limit is not None else 0.0,
-            FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
+            FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None, FOLD=fold,
             num_warps=cfg["num_warps"], **tma_meta(cfg), **pdl_options(xs.device),
         )  # fmt: skip
     return out

@@ -42,7 +42,7 @@ from deepinfer_kernels.ops._pdl import pdl_prologue
 from deepinfer_kernels.ops._triton_launch import pdl_options
 from deepinfer_kernels.ops.grouped_tiles import expert_tile_schedule
 
-from .gluon_common import expert_weight_rows, load_unpacked, relabel_k, store_swapped, weight_load_layout
+from .gluon_common import expert_weight_rows, fold_for, load_unpacked, relabel_k, store_swapped, weight_load_layout
 
 
 @gluon.jit
@@ -50,7 +50,7 @@ def _expert_rows_wgmma_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, rs_ptr, tile_e_ptr, r0_ptr, r1_ptr, index_ptr, N_OUT, K, limit,
     FUSE: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_RS: gl.constexpr, HAS_INDEX: gl.constexpr,
     TN: gl.constexpr, BLOCK_N: gl.constexpr, BKH: gl.constexpr, X_SL: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PDL: gl.constexpr = False,
+    FOLD: gl.constexpr = False, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """Program (slot p, pid_n): BLOCK_N weight rows (FUSE: BLOCK_N / 2 gate and as many up rows, interleaved by 8)
     of tile p's expert against its rows [r0, r1) (at most TN; ``expert_tile_schedule``, expert -1: empty slot).
@@ -82,7 +82,7 @@ def _expert_rows_wgmma_kernel(
         acc = gl.zeros([BLOCK_N, TN], gl.float32, ACC)
         for k0 in range(0, KH, BKH):
             xv = gl.load(x_tile + 2 * k0)
-            lo, hi = load_unpacked(w_rows, s_rows, k0, kh)
+            lo, hi = load_unpacked(w_rows, s_rows, k0, kh, FOLD)
             x_even, x_odd = gl.reshape(xv, [TN, BKH, 2]).split()
             gl.thread_barrier()  # the previous step's wgmma (waited for) and every warp are past the tiles
             xe_s.store(relabel_k(x_even))
@@ -133,6 +133,7 @@ def wgmma_rows_into(out, xs, w, w_scale, expert_offsets, *, min_rows, max_rows, 
         row_index if row_index is not None else tile_e, n_out, k,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         FUSE=fuse_swiglu, HAS_LIMIT=swiglu_limit is not None, HAS_RS=row_scale is not None,
-        HAS_INDEX=row_index is not None, num_warps=cfg["num_warps"], **wgmma_meta(cfg), **pdl_options(xs.device),
+        HAS_INDEX=row_index is not None, FOLD=fold_for(w_scale), num_warps=cfg["num_warps"], **wgmma_meta(cfg),
+        **pdl_options(xs.device),
     )  # fmt: skip
     return out
