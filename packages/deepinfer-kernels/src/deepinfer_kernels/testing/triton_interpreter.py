@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -46,6 +47,13 @@ def run_interpreted_cases(path: str, cases: dict[str, tuple[str, tuple]], timeou
     text (failed, or never reached because the child died)."""
     code = _CHILD.format(path=path, cases=cases)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # The interpreter's tl.dot is numpy's matmul. OpenBLAS's FMA kernels (Haswell, Zen: what it picks on AMD
+        # EPYC and many other x86 CPUs) give a row different last bits at different positions in a tile, so a
+        # row alone and the same row inside a batch can differ, which no GPU kernel does and the batch-invariance
+        # tests would report; its AVX kernels without FMA do not (numpy's wheels ship OpenBLAS; other BLAS
+        # libraries ignore the variable). A value set by the caller wins.
+        env.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     results = {key: f"child exited with {proc.returncode} before this case:\n{proc.stderr[-4000:]}" for key in cases}
     for line in proc.stdout.splitlines():
