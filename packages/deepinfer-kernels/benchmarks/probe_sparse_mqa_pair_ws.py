@@ -27,6 +27,7 @@ fit in 216 registers. Those two overlaps, and the spills gone, are what this nee
 
 import torch
 from deepinfer_kernels.ops._triton_launch import pdl_options
+from deepinfer_kernels.ops.sparse_mqa_attention.gluon import _gather_tile
 from deepinfer_kernels.ops.sparse_mqa_attention.triton import prepare_call
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,21 +57,16 @@ _NUM_BARS = gl.constexpr(15)
 @gluon.jit
 def _gather_half(buf, base_ptr, kv2_ptr, idx_row, j0, K, N1, kv_s, kv2_s, col0, TWO: gl.constexpr):
     """cp.async of entries [j0, j0 + BLOCK_N), columns [col0, col0 + HALF) into ``buf`` ([BLOCK_N, HALF]) by the 4
-    producer warps, 16 rows a call (4 row addresses a lane: the producer runs on few registers); slots past K or -1
-    are zero-filled (their scores are masked, and 0 times a finite row stays 0)."""
+    producer warps, 16 rows a call (4 row addresses a lane: the producer runs on few registers), each by the wide
+    kernel's ``_gather_tile`` (slots past K or -1 zero-filled)."""
     cl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, cl))
     cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, cl))
     for c in gl.static_range(BLOCK_N // CHUNK):
-        n = j0 + c * CHUNK + rows
-        slot = gl.load(idx_row + n, mask=n < K, other=-1).to(gl.int64)
-        if TWO:
-            base = gl.where(slot < N1, base_ptr + slot * kv_s, kv2_ptr + (slot - N1) * kv2_s)
-        else:
-            base = base_ptr + slot * kv_s
-        cp.async_copy_global_to_shared(
-            buf.slice(c * CHUNK, CHUNK, dim=0), base[:, None] + cols[None, :], mask=(slot >= 0)[:, None]
-        )
+        _gather_tile(
+            buf.slice(c * CHUNK, CHUNK, dim=0), base_ptr, kv2_ptr, idx_row, j0 + c * CHUNK, K, N1, kv_s, kv2_s, rows,
+            cols, TWO,
+        )  # fmt: skip
 
 
 @gluon.jit

@@ -53,13 +53,19 @@ def unpack_scaled(packed, scale, FOLD: gl.constexpr = False):
 
 
 @gluon.jit
-def scale_bits(s, FOLD: gl.constexpr = False):
-    """uint8 block scale bytes s -> the bf16 multiplier: 2^(s-127), or with FOLD 2^(s-1) (2^126 folded in; valid
-    for s <= 128)."""
+def _multiplier_bits(s, FOLD: gl.constexpr):
+    """uint8 block scale bytes s -> int32 bf16 bits of the unpack's multiplier: 2^(s-127), or with FOLD 2^(s-1)
+    (2^126 folded in; valid for s <= 128)."""
     e = s.to(gl.int32) & 0xFF
     if FOLD:
         e = e + 126
-    return (e << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return e << 7
+
+
+@gluon.jit
+def scale_bits(s, FOLD: gl.constexpr = False):
+    """uint8 block scale bytes s -> the bf16 multiplier (``_multiplier_bits``)."""
+    return _multiplier_bits(s, FOLD).to(gl.int16).to(gl.bfloat16, bitcast=True)
 
 
 @gluon.jit
@@ -95,10 +101,7 @@ def load_words(w_rows, s_rows, k0, kw):
 def unpack_words(words, s, FOLD: gl.constexpr = False):
     """``load_words``' words as (low nibbles, high nibbles) in bf16, [rows, BKH] each, byte order (FOLD: as
     ``unpack_scaled``)."""
-    e = s.to(gl.int32) & 0xFF
-    if FOLD:
-        e = e + 126
-    b = e << 7  # bf16 bits of 2^(s-127), FOLD 2^(s-1)
+    b = _multiplier_bits(s, FOLD)
     pair = b | (b << 16)  # the word's four bytes share a block: one scale pair for both halves
     l01, l23, h01, h23 = gl.inline_asm_elementwise(
         _UNPACK_FOLDED if FOLD else _UNPACK_SCALED, "=r,=r,=r,=r,r,r,r", [words, pair, pair], dtype=(gl.int32,) * 4,
